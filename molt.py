@@ -319,6 +319,7 @@ class Sample:
     routing: Any = None
     mm: dict | None = None  # processor tensors the training forward needs (pixel_values, image_grid_thw)
     n_images: int = 0
+    images: list = field(default_factory=list, repr=False)  # PIL images sent to the engine (rollout side only)
 
     def extend(self, ids, logprobs=None, versions=None):
         """Append tokens; with logprobs they were sampled (trainable), without they are context."""
@@ -571,6 +572,33 @@ class ChatContext:
     session_id: str
     max_length: int
 
+    def openai(self, **kw):
+        """An AsyncOpenAI client for this session. Clients share one connection pool per event loop: building a
+        fresh AsyncOpenAI costs ~50 ms, more than a short turn."""
+        return _shared_client("openai").with_options(base_url=self.base_url, api_key=self.api_key, **kw)
+
+    def anthropic(self, **kw):
+        """An AsyncAnthropic client for this session (shared connection pool, as openai())."""
+        return _shared_client("anthropic").with_options(base_url=self.session_url, api_key=self.api_key, **kw)
+
+
+_CLIENTS: dict = {}
+
+
+def _shared_client(kind: str):
+    key = (kind, id(asyncio.get_running_loop()))
+    if key not in _CLIENTS:
+        # aiohttp transport: at hundreds of concurrent episodes httpx's pool bookkeeping costs more than the turn
+        if kind == "openai":
+            from openai import AsyncOpenAI, DefaultAioHttpClient
+            _CLIENTS[key] = AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0, timeout=3600,
+                                        http_client=DefaultAioHttpClient())
+        else:
+            from anthropic import AsyncAnthropic, DefaultAioHttpClient
+            _CLIENTS[key] = AsyncAnthropic(base_url="http://127.0.0.1", api_key="-", max_retries=0, timeout=3600,
+                                           http_client=DefaultAioHttpClient())
+    return _CLIENTS[key]
+
 
 class ChatAgent:
     """The agent owns the loop; one fresh instance per episode."""
@@ -614,10 +642,7 @@ class StepEnvRunner(Runner):
             if out is None:  # context budget spent
                 break
             result = await env.step(pool.decode(out["ids"]))
-            if not isinstance(result, Result):
-                raise TypeError(f"{self.env_cls.__name__}.step must return a Result, got {type(result).__name__}")
-            if first_scalar(result.reward) is None:
-                raise ValueError(f"{self.env_cls.__name__}.step returned reward None")
+            check_result(result, f"{self.env_cls.__name__}.step")
             reward += first_scalar(result.reward)  # rewards over turns sum
             sampling.update(result.sampling_params or {})
             if result.terminated or result.truncated:
@@ -639,14 +664,27 @@ class ChatAgentRunner(Runner):
             result = await self.agent_cls().run(ctx)
         finally:
             segments = pool.server.close(ctx.session_id)
-        if not isinstance(result, Result):
-            raise TypeError(f"{self.agent_cls.__name__}.run must return a Result, got {type(result).__name__}")
-        if first_scalar(result.reward) is None:
-            raise ValueError(f"{self.agent_cls.__name__}.run returned reward None")
+        check_result(result, f"{self.agent_cls.__name__}.run")
         return [finish_sample(s, first_scalar(result.reward), result) for s in segments]
 
 
+class BadResult(TypeError):
+    """An agent returned something other than a Result with a numeric reward (costs that episode, counted)."""
+
+
+def check_result(result, where: str):
+    if not isinstance(result, Result):
+        raise BadResult(f"{where} must return a Result, got {type(result).__name__}")
+    try:
+        reward = first_scalar(result.reward)
+    except (TypeError, ValueError):
+        reward = None
+    if reward is None or not math.isfinite(reward):
+        raise BadResult(f"{where} returned reward {result.reward!r}; it must be a finite number")
+
+
 def finish_sample(s: Sample, reward: float, result: Result) -> Sample:
+    absorb_routing(s, None)  # routing rows, if any, cover context appended after the last turn too
     s.reward = reward
     s.score = first_scalar(result.score) if result.score is not None else reward
     s.info = {k: first_scalar(v) for k, v in (result.info or {}).items() if _is_number(v)}
@@ -777,8 +815,12 @@ class EngineActor:
         from vllm.sampling_params import RequestOutputKind
         ids, images = list(req["ids"]), req.get("images") or None
         self.check_request(ids, images)
-        params = SamplingParams(**{**req.get("sampling", {}), "logprobs": 0, "detokenize": False,
-                                   "output_kind": RequestOutputKind.DELTA})
+        params = dict(req.get("sampling", {}))
+        if isinstance(params.get("structured_outputs"), dict):  # e.g. {"regex": ...} or {"json": schema}
+            from vllm.sampling_params import StructuredOutputsParams
+            params["structured_outputs"] = StructuredOutputsParams(**params["structured_outputs"])
+        params = SamplingParams(**{**params, "logprobs": 0, "output_kind": RequestOutputKind.DELTA,
+                                   "detokenize": bool(params.get("stop"))})  # text is only needed for stop strings
         self.requests += 1
         while True:
             await self.resumed.wait()
@@ -880,6 +922,23 @@ def vllm_reload_weights(runner, weights: list) -> set[str]:
     return loaded
 
 
+def ray_init(cfg: Config):
+    """A local cluster by default (offline, no dashboard); --ray-address joins an existing one. Actors import
+    molt by name (vLLM loads EngineWorker from it), so this file's directory goes on their PYTHONPATH."""
+    import ray
+    if ray.is_initialized():
+        return
+    here = str(Path(__file__).resolve().parent)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p),
+           "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}
+    env.update({k: v for k, v in os.environ.items() if k.startswith(("MOLT_", "VLLM_", "HF_", "WANDB_", "OMP_"))})
+    kw = dict(runtime_env={"env_vars": env}, include_dashboard=False, logging_level="WARNING")
+    if cfg.ray_address:
+        ray.init(address=cfg.ray_address, **kw)
+    else:  # logical CPUs are bookkeeping: more than cores, or actors wait for each other forever
+        ray.init(num_cpus=max(32, 4 * (os.cpu_count() or 1)), **kw)
+
+
 def start_engines(cfg: Config, model_path: str) -> list:
     import ray
     cuda = _cuda()
@@ -936,23 +995,583 @@ class Router:
 
 
 ROUTING_CPU_ERROR = ("--train.routing-replay needs the engines to capture routed experts, which vLLM does only with "
-                     "its V2 model runner and Triton, i.e. on CUDA; this engine runs on CPU. Drop the flag (the "
-                     "moe/routing_mismatch metric still shows how far engine and trainer disagree) or use GPUs.")
+                     "its V2 model runner and Triton, i.e. on CUDA; this engine runs on CPU. Drop the flag or use GPUs.")
 
 
-def ray_init(cfg: Config):
-    """A local cluster by default (offline, no dashboard); --ray-address joins an existing one. Actors import
-    molt by name (vLLM loads EngineWorker from it), so this file's directory goes on their PYTHONPATH."""
-    import ray
-    if ray.is_initialized():
+# ======================================================================================================
+# 6. Loopback server: the OpenAI and Anthropic wires over one token-exact session state. A ChatAgent points a
+# stock SDK at ctx.base_url / ctx.session_url; every turn appends only the new messages' tokens to the exact
+# tokens sampled so far. A request that rewrites history (compaction, a template that re-renders old turns)
+# seals the segment and starts a new one; the episode then yields several Samples sharing its rollout_id.
+# ======================================================================================================
+
+
+class WireError(Exception):
+    """A client error, answered in the caller's wire format without touching the session."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+OPENAI_KEYS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed",
+               "stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "n", "user", "metadata",
+               "store", "logprobs", "response_format", "frequency_penalty", "presence_penalty"}
+ANTHROPIC_KEYS = {"model", "messages", "max_tokens", "system", "temperature", "top_p", "top_k", "stop_sequences",
+                  "stream", "tools", "tool_choice", "metadata"}
+
+
+def _require(cond, message: str, status: int = 400):
+    if not cond:
+        raise WireError(status, message)
+
+
+def _number(body: dict, key: str, lo: float, hi: float, integer=False):
+    v = body.get(key)
+    if v is None:
+        return None
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    _require(ok and not isinstance(v, bool) and lo <= v <= hi, f"'{key}' must be a number in [{lo}, {hi}]")
+    return v
+
+
+def _check_messages(messages, roles):
+    _require(isinstance(messages, list) and messages, "'messages' must be a non-empty list")
+    for i, m in enumerate(messages):
+        _require(isinstance(m, dict) and m.get("role") in roles, f"messages[{i}] needs a role in {sorted(roles)}")
+        c = m.get("content")
+        _require(c is None or isinstance(c, (str, list)), f"messages[{i}].content must be a string or a list")
+
+
+def decode_openai(body: dict) -> dict:
+    """OpenAI chat-completions body -> wire-neutral turn request."""
+    unknown = sorted(set(body) - OPENAI_KEYS)
+    _require(not unknown, f"unsupported parameter(s): {', '.join(unknown)}")
+    _check_messages(body.get("messages"), {"system", "developer", "user", "assistant", "tool"})
+    _require(body.get("n", 1) == 1, "'n' must be 1: each request continues one trajectory")
+    _require(not body.get("logprobs"), "'logprobs' is not supported")
+    _require(not body.get("frequency_penalty") and not body.get("presence_penalty"),
+             "frequency/presence penalties change the sampling distribution and are not supported")
+    _require((body.get("response_format") or {"type": "text"}).get("type") == "text", "only text responses")
+    stop = body.get("stop")
+    _require(stop is None or isinstance(stop, (str, list)), "'stop' must be a string or a list of strings")
+    msgs = [dict(m, role="system") if m["role"] == "developer" else m for m in body["messages"]]
+    return {"messages": msgs, "tools": body.get("tools"), "stream": bool(body.get("stream")),
+            "usage_in_stream": bool((body.get("stream_options") or {}).get("include_usage")),
+            "sampling": {"max_tokens": _number(body, "max_completion_tokens", 1, 1 << 30, True) or
+                         _number(body, "max_tokens", 1, 1 << 30, True),
+                         "temperature": _number(body, "temperature", 0, 2), "top_p": _number(body, "top_p", 0, 1),
+                         "seed": _number(body, "seed", -(1 << 63), 1 << 63, True),
+                         "stop": [stop] if isinstance(stop, str) else stop}}
+
+
+def _anthropic_block(block: dict) -> dict:
+    if block.get("type") == "image":
+        src = block.get("source") or {}
+        _require(src.get("type") == "base64", "images must be base64 sources")
+        return {"type": "image_url", "image_url": {"url": f"data:{src.get('media_type')};base64,{src.get('data')}"}}
+    _require(block.get("type") == "text", f"unsupported content block type {block.get('type')!r}")
+    return {"type": "text", "text": block.get("text", "")}
+
+
+def _anthropic_message(m: dict) -> list[dict]:
+    """One Anthropic message -> OpenAI messages: tool_use blocks become tool_calls, tool_result blocks tool messages."""
+    if isinstance(m.get("content"), str):
+        return [{"role": m["role"], "content": m["content"]}]
+    parts, calls, tools = [], [], []
+    for b in m["content"]:
+        _require(isinstance(b, dict), "content blocks must be objects")
+        if b.get("type") == "tool_use":
+            calls.append({"id": b.get("id"), "type": "function",
+                          "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input", {}))}})
+        elif b.get("type") == "tool_result":
+            inner = b.get("content", "")
+            inner = inner if isinstance(inner, str) else [_anthropic_block(x) for x in inner]
+            tools.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": inner})
+        else:
+            parts.append(_anthropic_block(b))
+    out = tools + ([{"role": m["role"], "content": parts}] if parts or not tools else [])
+    if calls:
+        out = out or [{"role": "assistant", "content": []}]
+        out[-1]["tool_calls"] = calls
+    return out
+
+
+def decode_anthropic(body: dict) -> dict:
+    unknown = sorted(set(body) - ANTHROPIC_KEYS)
+    _require(not unknown, f"unsupported parameter(s): {', '.join(unknown)}")
+    _check_messages(body.get("messages"), {"user", "assistant"})
+    _require(_number(body, "max_tokens", 1, 1 << 30, True) is not None, "'max_tokens' is required")
+    system = body.get("system")
+    if isinstance(system, list):
+        system = "".join(b.get("text", "") for b in system if isinstance(b, dict))
+    msgs = ([{"role": "system", "content": system}] if system else []) + \
+        [x for m in body["messages"] for x in _anthropic_message(m)]
+    tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
+                                               "parameters": t.get("input_schema", {})}} for t in body.get("tools") or []]
+    stop = body.get("stop_sequences")
+    _require(stop is None or isinstance(stop, list), "'stop_sequences' must be a list")
+    return {"messages": msgs, "tools": tools or None, "stream": bool(body.get("stream")), "usage_in_stream": True,
+            "sampling": {"max_tokens": body["max_tokens"], "temperature": _number(body, "temperature", 0, 1),
+                         "top_p": _number(body, "top_p", 0, 1), "top_k": _number(body, "top_k", -1, 1 << 20, True),
+                         "stop": stop}}
+
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+    """Hermes-style <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks -> (remaining text, calls).
+    A block that is not valid JSON with a name stays in the text."""
+    calls, kept = [], text
+    for m in TOOL_CALL.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+            name, args = obj["name"], obj.get("arguments", {})
+        except (ValueError, KeyError, TypeError):
+            continue
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": str(name),
+                      "arguments": args if isinstance(args, str) else json.dumps(args)})
+        kept = kept.replace(m.group(0), "", 1)
+    return (kept.strip() if calls else text), calls
+
+
+def load_image(ref):
+    """PIL images, bytes, data URIs, base64 strings, local paths and HF image dicts -> RGB PIL image."""
+    from PIL import Image
+    if isinstance(ref, Image.Image):
+        return ref.convert("RGB")
+    if isinstance(ref, dict):
+        ref = ref.get("bytes") or ref.get("path") or (ref.get("image_url") or {}).get("url") or ref.get("url")
+    if isinstance(ref, str) and ref.startswith("data:"):
+        ref = base64.b64decode(ref.split(",", 1)[1])
+    elif isinstance(ref, str) and ref.startswith("file://"):
+        ref = ref[len("file://"):]
+    elif isinstance(ref, str) and ref.startswith(("http://", "https://")):
+        raise ValueError("image URLs are not fetched: send images as data URIs or files")
+    elif isinstance(ref, str) and not os.path.exists(ref) and len(ref) > 256:
+        ref = base64.b64decode(ref)
+    return Image.open(io.BytesIO(ref) if isinstance(ref, (bytes, bytearray)) else ref).convert("RGB")
+
+
+def image_data_uri(image) -> str:
+    buf = io.BytesIO()
+    load_image(image).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def message_images(messages: list[dict]) -> list:
+    out = []
+    for m in messages:
+        for part in m.get("content") if isinstance(m.get("content"), list) else []:
+            if isinstance(part, dict) and part.get("type") in ("image_url", "image"):
+                try:
+                    out.append(load_image(part.get("image_url", {}).get("url") if part["type"] == "image_url"
+                                          else part.get("image")))
+                except Exception as err:  # noqa: BLE001 - any undecodable image is the client's error
+                    raise WireError(400, f"cannot read image: {err}")
+    return out
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """What the chat template sees: image parts as {"type": "image"}, text parts as text, null content as ""."""
+    out = []
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, list):
+            c = [{"type": "image"} if p.get("type") in ("image", "image_url") else
+                 {"type": "text", "text": p.get("text", "")} for p in c if isinstance(p, dict)]
+        out.append({**m, "content": "" if c is None else c})
+    return out
+
+
+@dataclass
+class Session:
+    ep: Episode
+    key: str
+    segments: list = field(default_factory=list)
+    last_messages: list | None = None
+    last_tools: Any = None
+    last_reply: dict | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class LoopbackServer:
+    """One aiohttp server per agent pool, bound to 127.0.0.1 on a free port; one session per chat episode."""
+
+    def __init__(self, pool):
+        self.pool, self.sessions, self.port, self._runner = pool, {}, None, None
+        self._starting = asyncio.Lock()
+
+    async def start(self):
+        from aiohttp import web
+        async with self._starting:
+            if self._runner is not None:
+                return
+            app = web.Application(client_max_size=256 << 20)
+            app.router.add_post("/s/{sid}/v1/{endpoint:chat/completions|messages}", self.handle)
+            app.router.add_get("/s/{sid}/v1/models", self.models)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            self.port, self._runner = site._server.sockets[0].getsockname()[1], runner
+
+    def open(self, ep: Episode) -> ChatContext:
+        sid = uuid.uuid4().hex
+        self.sessions[sid] = Session(ep=ep, key="sk-molt-" + secrets.token_hex(16))
+        messages = wire_messages(ep.prompt, ep.images)
+        user = [m for m in messages if m["role"] == "user"]
+        last = user[-1]["content"] if user else ""
+        text = last if isinstance(last, str) else "".join(p.get("text", "") for p in last if p.get("type") == "text")
+        root = f"http://127.0.0.1:{self.port}/s/{sid}"
+        return ChatContext(messages=messages, prompt=text, label=ep.label, images=list(ep.images), tools=ep.tools,
+                           sampling_params=dict(ep.sampling), base_url=root + "/v1", session_url=root,
+                           api_key=self.sessions[sid].key, model_name=self.pool.model_name, session_id=sid,
+                           max_length=self.pool.cfg.data.max_len)
+
+    def close(self, sid: str) -> list[Sample]:
+        s = self.sessions.pop(sid)
+        return [seg for seg in s.segments if any(seg.mask)]
+
+    def authorize(self, request) -> Session:
+        s = self.sessions.get(request.match_info["sid"])
+        if s is None:
+            raise WireError(404, "unknown or closed session", "not_found_error")
+        auth = request.headers.get("Authorization", "")
+        key = auth[7:] if auth.startswith("Bearer ") else request.headers.get("x-api-key", "")
+        if not secrets.compare_digest(key, s.key):
+            raise WireError(401, "invalid API key for this session", "authentication_error")
+        return s
+
+    async def models(self, request):
+        from aiohttp import web
+        try:
+            self.authorize(request)
+        except WireError as err:
+            return error_response(err, "openai")
+        name = self.pool.model_name
+        entry = {"id": name, "object": "model", "created": 0, "owned_by": "molt", "type": "model",
+                 "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
+        return web.json_response({"object": "list", "data": [entry], "has_more": False, "first_id": name,
+                                  "last_id": name})
+
+    async def handle(self, request):
+        wire = "openai" if request.match_info["endpoint"] == "chat/completions" else "anthropic"
+        try:
+            s = self.authorize(request)
+            try:
+                body = await request.json()
+            except ValueError:
+                raise WireError(400, "request body is not valid JSON")
+            _require(isinstance(body, dict), "request body must be a JSON object")
+            turn = (decode_openai if wire == "openai" else decode_anthropic)(body)
+            async with s.lock:  # one turn at a time per session: a retry cannot double-record
+                reply = await self.pool.chat_turn(s, turn)
+        except WireError as err:
+            return error_response(err, wire)
+        except ValueError as err:  # the engine refused the request (e.g. a bad token or image)
+            return error_response(WireError(400, str(err)), wire)
+        except Exception as err:  # noqa: BLE001 - a 5xx in the wire's format; the session was not touched
+            return error_response(WireError(500, f"{type(err).__name__}: {err}", "api_error"), wire)
+        model = body.get("model") or self.pool.model_name
+        if turn["stream"]:
+            pieces = [reply["text"]] if reply["calls"] else self.pool.text_pieces(reply["ids"])
+            return await stream_reply(request, reply, pieces, wire, model, turn["usage_in_stream"])
+        from aiohttp import web
+        return web.json_response((openai_reply if wire == "openai" else anthropic_reply)(reply, model))
+
+
+def error_response(err: WireError, wire: str):
+    from aiohttp import web
+    body = {"error": {"message": str(err), "type": err.kind, "param": None, "code": None}} if wire == "openai" else \
+        {"type": "error", "error": {"type": err.kind, "message": str(err)}}
+    return web.json_response(body, status=err.status)
+
+
+def wire_messages(prompt, images) -> list[dict]:
+    """A dataset prompt as OpenAI messages with its images inlined as data-URI parts (at <image> markers, or
+    before the first user message's text)."""
+    msgs = as_messages(prompt, images)
+    imgs = iter(images or [])
+    for m in msgs:
+        if isinstance(m.get("content"), list):
+            m["content"] = [{"type": "image_url", "image_url": {"url": image_data_uri(next(imgs))}}
+                            if p.get("type") == "image" else p for p in m["content"]]
+    return msgs
+
+
+def openai_reply(r: dict, model: str) -> dict:
+    msg = {"role": "assistant", "content": r["text"] if (r["text"] or not r["calls"]) else None}
+    if r["calls"]:
+        msg["tool_calls"] = [{"id": c["id"], "type": "function",
+                              "function": {"name": c["name"], "arguments": c["arguments"]}} for c in r["calls"]]
+    return {"id": r["id"], "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": msg, "finish_reason": r["finish"], "logprobs": None}],
+            "usage": {"prompt_tokens": r["prompt_tokens"], "completion_tokens": len(r["ids"]),
+                      "total_tokens": r["prompt_tokens"] + len(r["ids"])}}
+
+
+ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def _anthropic_blocks(r: dict) -> list[dict]:
+    blocks = [{"type": "text", "text": r["text"]}] if r["text"] or not r["calls"] else []
+    return blocks + [{"type": "tool_use", "id": "toolu_" + c["id"][5:], "name": c["name"],
+                      "input": json.loads(c["arguments"])} for c in r["calls"]]
+
+
+def anthropic_reply(r: dict, model: str) -> dict:
+    return {"id": "msg_" + r["id"][9:], "type": "message", "role": "assistant", "model": model,
+            "content": _anthropic_blocks(r), "stop_reason": ANTHROPIC_STOP[r["finish"]], "stop_sequence": None,
+            "usage": {"input_tokens": r["prompt_tokens"], "output_tokens": len(r["ids"])}}
+
+
+async def stream_reply(request, r: dict, pieces: list[str], wire: str, model: str, usage: bool):
+    """Server-sent events in the wire's own format; the pieces concatenate to the non-streamed reply's text."""
+    from aiohttp import web
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    events = openai_events(r, pieces, model, usage) if wire == "openai" else anthropic_events(r, pieces, model)
+    for name, data in events:
+        head = f"event: {name}\n" if name else ""
+        await resp.write(f"{head}data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode())
+    await resp.write_eof()
+    return resp
+
+
+def openai_events(r: dict, pieces: list[str], model: str, usage: bool):
+    head = {"id": r["id"], "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+
+    def chunk(delta, finish=None):
+        return None, {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    yield chunk({"role": "assistant", "content": ""})
+    for piece in pieces:
+        yield chunk({"content": piece})
+    for i, c in enumerate(r["calls"]):
+        yield chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                     "function": {"name": c["name"], "arguments": c["arguments"]}}]})
+    yield chunk({}, r["finish"])
+    if usage:
+        yield None, {**head, "choices": [], "usage": openai_reply(r, model)["usage"]}
+    yield None, "[DONE]"
+
+
+def anthropic_events(r: dict, pieces: list[str], model: str):
+    msg = {**anthropic_reply(r, model), "content": [], "stop_reason": None}
+    yield "message_start", {"type": "message_start", "message": {**msg, "usage": {**msg["usage"], "output_tokens": 0}}}
+    for i, block in enumerate(_anthropic_blocks(r)):
+        if block["type"] == "text":
+            yield "content_block_start", {"type": "content_block_start", "index": i,
+                                          "content_block": {"type": "text", "text": ""}}
+            for piece in pieces:
+                yield "content_block_delta", {"type": "content_block_delta", "index": i,
+                                              "delta": {"type": "text_delta", "text": piece}}
+        else:
+            yield "content_block_start", {"type": "content_block_start", "index": i,
+                                          "content_block": {**block, "input": {}}}
+            yield "content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
+                "type": "input_json_delta", "partial_json": json.dumps(block["input"])}}
+        yield "content_block_stop", {"type": "content_block_stop", "index": i}
+    yield "message_delta", {"type": "message_delta", "delta": {"stop_reason": ANTHROPIC_STOP[r["finish"]],
+                                                               "stop_sequence": None},
+                            "usage": {"output_tokens": len(r["ids"])}}
+    yield "message_stop", {"type": "message_stop"}
+
+
+# ======================================================================================================
+# 7. Rollout: agent pools run episodes concurrently; a streaming pool keeps prompt groups in flight and feeds
+# finished, filtered groups into a bounded queue the trainer drains.
+# ======================================================================================================
+
+
+def load_processing(model_path: str):
+    """(tokenizer, processor or None): the processor only for vision-language models."""
+    from transformers import AutoConfig, AutoProcessor, AutoTokenizer
+    if hasattr(AutoConfig.from_pretrained(model_path), "vision_config"):
+        processor = AutoProcessor.from_pretrained(model_path)
+        return processor.tokenizer, processor
+    return AutoTokenizer.from_pretrained(model_path), None
+
+
+def merge_mm(sample: Sample, mm: dict | None):
+    import torch
+    if mm:
+        sample.mm = mm if sample.mm is None else {k: torch.cat([sample.mm[k], mm[k]]) for k in mm}
+
+
+class AgentPool:
+    """Runs many episodes concurrently on one event loop: the agent module, a tokenizer/processor, a router to
+    the engines and (for chat agents) a loopback server. A Ray actor in a run; a plain object in tests."""
+
+    def __init__(self, cfg: Config, agent_path: str, model_path: str, engines: list):
+        self.cfg, self.model_name = cfg, "policy"
+        self.runner = load_agent(agent_path) if agent_path else None
+        self.tokenizer, self.processor = load_processing(model_path)
+        self.router, self.server = Router(engines), LoopbackServer(self)
+        probe = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "\x00PROBE\x00"}],
+                            generation=False)
+        self.turn_suffix = probe.split("\x00PROBE\x00", 1)[1] if "\x00PROBE\x00" in probe else self.tokenizer.eos_token
+        self.probe_base = probe
+
+    # -- text <-> tokens: only new text is ever tokenized; sampled ids are never decoded and re-encoded --------
+    def render(self, messages: list[dict], tools=None, generation=True) -> str:
+        return (self.processor or self.tokenizer).apply_chat_template(
+            template_messages(messages), tools=tools or None, tokenize=False, add_generation_prompt=generation)
+
+    def encode(self, text: str, images: list | None = None):
+        if not images:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"], None
+        if self.processor is None:
+            raise ValueError("images were given but the model is text-only")
+        out = self.processor(text=[text], images=images, return_tensors="pt")
+        return out["input_ids"][0].tolist(), {k: out[k] for k in ("pixel_values", "image_grid_thw") if k in out}
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def closing(self, tokens: list[int]) -> str:
+        """The part of the template's end-of-assistant-turn text the model did not sample itself (e.g. the newline
+        after <|im_end|>, or all of it when the turn hit the token cap)."""
+        tail = self.tokenizer.decode(tokens[-len(self.turn_suffix):], skip_special_tokens=False)
+        k = next((k for k in range(len(self.turn_suffix), 0, -1) if tail.endswith(self.turn_suffix[:k])), 0)
+        return self.turn_suffix[k:]
+
+    def continuation(self, action_ids: list[int], messages: list[dict]) -> str:
+        """New messages rendered as a continuation of a conversation that ends with the sampled action."""
+        full = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "\x00PROBE\x00"}]
+                           + messages)
+        return self.closing(action_ids) + full[len(self.probe_base):]
+
+    async def append_context(self, sample: Sample, text: str, images: list | None):
+        ids, mm = await asyncio.to_thread(self.encode, text, images)
+        sample.extend(ids)
+        sample.images += list(images or [])
+        sample.n_images = len(sample.images)
+        merge_mm(sample, mm)
+
+    async def sample_turn(self, sample: Sample, sampling: dict) -> dict | None:
+        """Sample one action after sample.tokens and append it; None when the context budget is spent."""
+        budget = self.cfg.data.max_len - len(sample.tokens)
+        if budget <= 0:
+            sample.finish_reason = "length"
+            return None
+        sampling = {k: v for k, v in sampling.items() if v is not None}
+        sampling["max_tokens"] = min(sampling.get("max_tokens") or self.cfg.rollout.max_new_tokens, budget)
+        req = {"ids": sample.tokens, "images": sample.images or None, "sampling": sampling}
+        c = (await self.router.generate(req, sample.rollout_id))["completions"][0]
+        sample.extend(c["ids"], c["logprobs"], c["versions"])
+        absorb_routing(sample, c["routing"])
+        sample.finish_reason = c["finish_reason"]
+        return c
+
+    # -- the chat wire's turn: token-exact accumulation over one session ----------------------------------
+    async def chat_turn(self, s: Session, turn: dict) -> dict:
+        msgs, tools = turn["messages"], turn["tools"]
+        if msgs == s.last_messages and tools == s.last_tools and s.last_reply is not None:
+            return s.last_reply  # an identical re-send (a client retry): served from cache, nothing sampled
+        images = message_images(msgs)
+        _require(not images or self.processor is not None, "this model does not take images")
+        full, seg, n = self.render(msgs, tools), (s.segments[-1] if s.segments else None), len(s.last_messages or [])
+        extends = (seg is not None and len(msgs) > n + 1 and msgs[:n] == s.last_messages
+                   and msgs[n]["role"] == "assistant")
+        if extends:
+            prefix = self.render(msgs[:n + 1], tools, generation=False)
+            extends = full.startswith(prefix)  # False when the template re-rendered an earlier turn
+        text, new_images = (self.closing(seg.tokens) + full[len(prefix):], message_images(msgs[n + 1:])) \
+            if extends else (full, images)
+        ids, mm = await asyncio.to_thread(self.encode, text, new_images)
+        context = (seg.tokens if extends else []) + ids
+        _require(len(context) < self.cfg.data.max_len, f"context of {len(context)} tokens reaches the model "
+                 f"length {self.cfg.data.max_len}")
+        # sample on a scratch copy: if the engine fails, the session is left exactly as it was
+        draft = Sample(rollout_id=s.ep.rollout_id, images=(seg.images if extends else []) + new_images)
+        draft.extend(context)
+        c = await self.sample_turn(draft, {**s.ep.sampling, **{k: v for k, v in turn["sampling"].items()
+                                                                if v is not None}})
+        if not extends:  # seal the previous segment (if any) and start a new token-exact one
+            seg = Sample(group_id=s.ep.group_id, rollout_id=s.ep.rollout_id, segment=len(s.segments))
+            s.segments.append(seg)
+        seg.extend(ids)
+        seg.images += new_images
+        seg.n_images = len(seg.images)
+        merge_mm(seg, mm)
+        seg.extend(c["ids"], c["logprobs"], c["versions"])
+        absorb_routing(seg, c["routing"])
+        seg.finish_reason = c["finish_reason"]
+        s.last_messages, s.last_tools = msgs, tools
+        s.last_reply = self.reply(c, tools, len(context))
+        return s.last_reply
+
+    def reply(self, c: dict, tools, prompt_tokens: int) -> dict:
+        raw = self.decode(c["ids"])
+        text, calls = parse_tool_calls(raw) if tools else (raw, [])
+        finish = "tool_calls" if calls else ("length" if c["finish_reason"] == "length" else "stop")
+        return {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "text": text, "calls": calls, "finish": finish,
+                "ids": c["ids"], "prompt_tokens": prompt_tokens}
+
+    def text_pieces(self, ids: list[int]) -> list[str]:
+        """Text per sampled token for streaming; the pieces concatenate to exactly the non-streamed text."""
+        pieces, prev = [], ""
+        for i in range(len(ids)):
+            cur = self.decode(ids[: i + 1])
+            if cur.startswith(prev) and cur != prev:
+                pieces.append(cur[len(prev):])
+                prev = cur
+        return pieces + ([self.decode(ids)[len(prev):]] if self.decode(ids) != prev else [])
+
+    # -- episodes and groups ----------------------------------------------------------------------------------
+    async def run_group(self, row: dict, n: int, sampling: dict, group_id: str) -> dict:
+        """n episodes of one prompt, concurrently. A failing episode costs itself (counted), never the group."""
+        d = self.cfg.data
+        if isinstance(self.runner, ChatAgentRunner):
+            await self.server.start()
+        images = [load_image(x) for x in row.get(d.image_key) or []]
+        eps = [Episode(prompt=row[d.prompt_key], label=row.get(d.label_key), images=images,
+                       tools=row.get(d.tools_key), sampling=dict(sampling), group_id=group_id,
+                       rollout_id=uuid.uuid4().hex) for _ in range(n)]
+        failures: dict[str, int] = {}
+        results = await asyncio.gather(*[self.run_episode(ep, failures) for ep in eps])
+        samples = [s for r in results for s in r]
+        for s in samples:
+            s.images = []  # the trainer needs the processor tensors in s.mm, not the PIL images
+        return {"samples": samples, "failures": failures, "router_failures": self.router.failures}
+
+    async def run_episode(self, ep: Episode, failures: dict) -> list[Sample]:
+        kind = None
+        try:
+            return await asyncio.wait_for(self.runner.run(ep, self), self.cfg.rollout.agent_timeout)
+        except asyncio.TimeoutError:
+            kind = "timeout"
+        except BadResult as err:
+            kind = "bad_result"
+            print(f"[agent] {err}", file=sys.stderr)
+        except Exception as err:  # noqa: BLE001 - an agent's bug costs its episode, not the run
+            kind = "error"
+            print(f"[agent] episode failed: {type(err).__name__}: {err}", file=sys.stderr)
+        finally:
+            self.router.forget(ep.rollout_id)
+        failures[kind] = failures.get(kind, 0) + 1
+        return []
+
+
+# ======================================================================================================
+# 10. Routing replay (MoE): capture alignment on the rollout side, replay in the training forward.
+# ======================================================================================================
+
+
+def absorb_routing(sample: Sample, routing):
+    """Store the engine's expert choices ([tokens, layers, top_k]) by absolute position. The first writer wins:
+    a position keeps the routing of the turn that first computed it; -1 marks positions with none."""
+    if routing is None and sample.routing is None:
         return
-    here = str(Path(__file__).resolve().parent)
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p),
-           "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}
-    env.update({k: v for k, v in os.environ.items() if k.startswith(("MOLT_", "VLLM_", "HF_", "WANDB_", "OMP_"))})
-    kw = dict(runtime_env={"env_vars": env}, include_dashboard=False, logging_level="WARNING")
-    if cfg.ray_address:
-        ray.init(address=cfg.ray_address, **kw)
-    else:  # logical CPUs are bookkeeping: more than cores, or actors wait for each other forever
-        ray.init(num_cpus=max(32, 4 * (os.cpu_count() or 1)), **kw)
-
+    n = len(sample.tokens)
+    if sample.routing is None:
+        sample.routing = np.full((n, *routing.shape[1:]), -1, dtype=np.int16)
+    elif len(sample.routing) < n:
+        pad = np.full((n - len(sample.routing), *sample.routing.shape[1:]), -1, dtype=np.int16)
+        sample.routing = np.concatenate([sample.routing, pad])
+    if routing is not None:
+        k = min(len(routing), n)
+        unset = (sample.routing[:k] < 0).all(axis=(1, 2))
+        sample.routing[:k][unset] = routing[:k][unset]

