@@ -1556,6 +1556,633 @@ class AgentPool:
 
 
 # ======================================================================================================
+# 8. Algorithms: advantage estimators, policy losses, train/rollout importance-sampling correction, KL. Pure
+# functions over padded tensors on the step axis: position j scores token j + 1, so mask[:, j] = sample.mask[j + 1].
+# Shapes: B samples, S = T - 1 steps; R unique rollouts (the segments of one episode share its reward).
+# ======================================================================================================
+
+
+def masked_mean(x, mask, dim=None):
+    """sum(x * mask) / max(1, sum(mask)); x outside the mask is zeroed first so NaNs there never leak."""
+    import torch
+    x = torch.where(mask.bool(), x, torch.zeros_like(x))
+    return x.sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def whiten(x, mask):
+    """(x - mean) / std over all masked positions of the batch; zeros when nothing is masked in."""
+    import torch
+    if mask.sum() == 0:
+        return torch.zeros_like(x)
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    return (x - mean) * torch.rsqrt(var.clamp(min=1e-8))
+
+
+def rollout_rewards(reward, group, rollout):
+    """Collapse samples to rollouts: ([R] reward, [R] group, [B] row of each sample). Segments of one episode share
+    its reward and count once in the group baselines."""
+    import torch
+    uniq, row = torch.unique(rollout, return_inverse=True)
+    first = torch.full((len(uniq),), len(rollout), dtype=torch.long).scatter_reduce(
+        0, row, torch.arange(len(rollout)), "amin")
+    return reward[first], group[first], row
+
+
+def group_stats(r, g):
+    """Per rollout: its group's mean, unbiased std (0 for a singleton) and size."""
+    import torch
+    n = torch.zeros(int(g.max()) + 1).scatter_add(0, g, torch.ones_like(r))
+    mean = torch.zeros_like(n).scatter_add(0, g, r) / n
+    sq = torch.zeros_like(n).scatter_add(0, g, (r - mean[g]) ** 2)
+    std = torch.where(n > 1, (sq / (n - 1).clamp(min=1)).sqrt(), torch.zeros_like(n))
+    return mean[g], std[g], n[g]
+
+
+def _broadcast(a, b):
+    """Per-rollout scalar -> per-token, on the action mask."""
+    return a[b["row"]][:, None] * b["mask"]
+
+
+def adv_grpo(algo, b):
+    mean, std, _ = group_stats(b["r"], b["g"])
+    a = _broadcast((b["r"] - mean) / (std + 1e-6), b)
+    return a, a
+
+
+def adv_dr_grpo(algo, b):
+    mean, _, _ = group_stats(b["r"], b["g"])
+    a = _broadcast(b["r"] - mean, b)
+    return a, a
+
+
+def adv_reinforce_baseline(algo, b):
+    mean, _, _ = group_stats(b["r"], b["g"])
+    returns = _broadcast(b["r"] - mean, b)
+    return whiten(returns, b["mask"]) * b["mask"], returns
+
+
+def adv_rloo(algo, b):
+    """Leave-one-out baseline: r_i - mean of the other rollouts of the group (a singleton keeps its reward)."""
+    import torch
+    mean, _, n = group_stats(b["r"], b["g"])
+    a = _broadcast(torch.where(n > 1, b["r"] - (mean * n - b["r"]) / (n - 1).clamp(min=1), b["r"]), b)
+    return a, a
+
+
+def token_rewards(algo, b):
+    """-beta * KL per token (when the KL goes into the reward) plus the episode reward on its last action token."""
+    import torch
+    mask = b["mask"]
+    rho = -algo.kl_coef * b["kl"] * mask if algo.kl_in_reward else torch.zeros_like(mask)
+    last = (mask * torch.arange(mask.shape[1])).argmax(1)
+    rho[torch.arange(len(mask)), last] += b["r"][b["row"]] * (mask.sum(1) > 0)
+    return rho
+
+
+def discounted_returns(rho, mask, gamma):
+    """R_t = rho_t + gamma * R_{t+1} over action tokens; non-action positions pass the running return through."""
+    import torch
+    out, running = torch.zeros_like(rho), torch.zeros(len(rho))
+    for t in reversed(range(rho.shape[1])):
+        running = torch.where(mask[:, t] > 0, rho[:, t] + gamma * running, running)
+        out[:, t] = running
+    return out * mask
+
+
+def adv_reinforce(algo, b):
+    returns = discounted_returns(token_rewards(algo, b), b["mask"], algo.gamma)
+    return whiten(returns, b["mask"]) * b["mask"], returns
+
+
+def adv_gae(algo, b):
+    """GAE(gamma, lambda) with masked positions transparent; returns = advantages + values (the value target)."""
+    import torch
+    if b.get("values") is None:
+        raise ValueError("the gae estimator needs critic values")
+    mask, rho, v = b["mask"], token_rewards(algo, b), b["values"] * b["mask"]
+    adv, next_v, running = torch.zeros_like(rho), torch.zeros(len(rho)), torch.zeros(len(rho))
+    for t in reversed(range(rho.shape[1])):
+        m = mask[:, t]
+        delta = rho[:, t] + algo.gamma * next_v - v[:, t]
+        running = m * (delta + algo.gamma * algo.lam * running) + (1 - m) * running
+        next_v = m * v[:, t] + (1 - m) * next_v
+        adv[:, t] = running
+    return whiten(adv, mask) * mask, (adv + v) * mask
+
+
+def adv_on_policy_distill(algo, b):
+    """Per-token reverse KL to the teacher as the advantage: -beta * (log pi_student - log pi_teacher)."""
+    a = -(algo.kl_coef or 1.0) * b["kl"] * b["mask"]
+    return a, a
+
+
+ESTIMATORS = {"reinforce": adv_reinforce, "reinforce_baseline": adv_reinforce_baseline, "rloo": adv_rloo,
+              "grpo": adv_grpo, "dr_grpo": adv_dr_grpo, "gae": adv_gae, "on_policy_distill": adv_on_policy_distill}
+
+
+def compute_advantages(algo: AlgoConfig, reward, group, rollout, mask, kl=None, values=None):
+    """-> (advantages [B, S], returns [B, S]). reward [B] (one per sample; segments repeat their episode's),
+    group/rollout [B] integer ids, mask [B, S], kl [B, S] (policy - reference log-probs), values [B, S] (critic)."""
+    import torch
+    if algo.reward_clip:
+        reward = reward.clamp(-algo.reward_clip, algo.reward_clip)
+    r, g, row = rollout_rewards(reward.float(), group, rollout)
+    b = {"r": r, "g": torch.unique(g, return_inverse=True)[1], "row": row, "mask": mask.float(),
+         "kl": kl if kl is not None else torch.zeros_like(mask, dtype=torch.float), "values": values}
+    return ESTIMATORS[algo.estimator](algo, b)
+
+
+def approx_kl(logp, ref, kind: str):
+    """k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d with d = log p - log p_ref (k2, k3 clamped to [-10, 10])."""
+    import torch
+    d = torch.nan_to_num(logp - ref, nan=0.0, posinf=30.0, neginf=-30.0)
+    if kind == "k1":
+        return d
+    return (d * d / 2 if kind == "k2" else torch.exp(-d) - 1 + d).clamp(-10, 10)
+
+
+def loss_ppo(algo, logp, old, adv, mask):
+    import torch
+    ratio = torch.exp((logp - old).clamp(-30, 30))
+    s1, s2 = ratio * adv, ratio.clamp(1 - algo.clip_low, 1 + algo.clip_high) * adv
+    loss = -torch.minimum(s1, s2)
+    if algo.dual_clip:
+        loss = torch.where(adv < 0, torch.minimum(loss, -algo.dual_clip * adv), loss)
+    return loss, (s2 < s1).float()
+
+
+def loss_gspo(algo, logp, old, adv, mask):
+    """Sequence-level ratio (geometric mean of token ratios) with per-token gradients."""
+    import torch
+    seq = masked_mean(logp - old, mask, dim=1).detach()[:, None]
+    ratio = torch.exp((logp - logp.detach() + seq).clamp(-30, 30))
+    s1, s2 = ratio * adv, ratio.clamp(1 - algo.clip_low, 1 + algo.clip_high) * adv
+    return -torch.minimum(s1, s2), (s2 < s1).float()
+
+
+def loss_cispo(algo, logp, old, adv, mask):
+    """REINFORCE with the IS weight clipped from above (clip_high is the absolute ceiling) and detached."""
+    import torch
+    ratio = torch.exp((logp - old).clamp(-30, 30))
+    return -ratio.clamp(max=algo.clip_high).detach() * adv * logp, (ratio > algo.clip_high).float()
+
+
+POLICY_LOSSES = {"ppo": loss_ppo, "gspo": loss_gspo, "cispo": loss_cispo}
+
+
+def is_correction(algo, old, behaviour, mask):
+    """Train/rollout importance weights. -> (coefficient [B, S] multiplying the per-token loss, filtered [B, S]).
+    w_t = pi_train / pi_behaviour per token; the level picks what is compared with [is_low, is_high]: each token
+    (token), the product over the sequence (seq) or its geometric mean (geo). mask keeps w_t where inside and zeroes
+    the rest (seq/geo gate whole sequences); clip clamps the compared ratio into the band; trunc caps it at is_high."""
+    import torch
+    if algo.is_level == "off":
+        return torch.ones_like(old), torch.zeros_like(old)
+    lr = torch.nan_to_num(old - behaviour, nan=0.0, posinf=30.0, neginf=-30.0).clamp(-30, 30) * mask
+    w = torch.exp(lr)
+    u = {"token": w, "seq": torch.exp((lr.sum(1)).clamp(-30, 30))[:, None].expand_as(w),
+         "geo": torch.exp(masked_mean(lr, mask, dim=1))[:, None].expand_as(w)}[algo.is_level]
+    lo, hi = algo.is_low, algo.is_high
+    if algo.is_mode == "mask":
+        keep = (u >= lo) & (u <= hi)
+        return torch.where(keep, w, torch.zeros_like(w)), (~keep).float()
+    if algo.is_mode == "clip":
+        return u.clamp(lo, hi), ((u < lo) | (u > hi)).float()
+    return u.clamp(max=hi), (u > hi).float()
+
+
+def policy_loss(algo, logp, old, behaviour, adv, mask, ref=None, entropy=None):
+    """Per-token loss [B, S] (before aggregation) and its metrics. logp carries gradients; old = the trainer's own
+    log-probs before this step's updates; behaviour = the engine's at sampling time; ref = reference/teacher."""
+    import torch
+    adv = torch.nan_to_num(adv, nan=0.0, posinf=0.0, neginf=0.0)
+    loss, clipped = POLICY_LOSSES[algo.loss](algo, logp, old, adv, mask)
+    coef, filtered = is_correction(algo, old, behaviour, mask)
+    loss = coef * loss
+    stats = {"loss/clip_frac": clipped, "is/masked_frac": filtered, "is/weight": coef}
+    if ref is not None and algo.kl_coef and not algo.kl_in_reward and algo.estimator != "on_policy_distill":
+        kl = approx_kl(logp, ref, algo.kl_estimator)
+        loss = loss + algo.kl_coef * kl
+        stats["kl"] = kl.detach()
+    if entropy is not None and algo.entropy_coef:
+        loss = loss - algo.entropy_coef * entropy
+    return loss, stats
+
+
+def aggregate(loss, mask, mode: str, n_tokens: float, n_seqs: float):
+    """Sum of this micro-batch's share of the batch loss: token-mean over the batch's n_tokens action tokens, or the
+    mean over n_seqs sequences of each sequence's token-mean."""
+    import torch
+    loss = torch.where(mask.bool(), loss, torch.zeros_like(loss))
+    if mode == "token":
+        return loss.sum() / max(n_tokens, 1.0)
+    return (loss.sum(1) / mask.sum(1).clamp(min=1)).sum() / max(n_seqs, 1.0)
+
+
+# ======================================================================================================
+# 9. Policy actor: a Ray actor group of FSDP2 ranks (plus an optional frozen reference/teacher and, for gae, a critic)
+# that turns Samples into log-probs and gradient steps and exports full weights for the engines.
+# ======================================================================================================
+
+
+def step_arrays(s: Sample):
+    """A Sample on the step axis: (ids [T], mask [T-1], behaviour log-probs [T-1])."""
+    return s.tokens, s.mask[1:], s.logprobs[1:]
+
+
+def shard_plan(samples: list[Sample], world: int, mini_batches: int) -> list[list[list[int]]]:
+    """plan[m][rank] = sample indices of mini-batch m on that rank. Lengths are balanced by dealing the longest
+    first in snake order; short ranks are padded with -1 (a masked-out copy) because every FSDP rank must run the
+    same number of forwards or the collectives deadlock."""
+    order = list(range(len(samples)))
+    plan = []
+    for m in range(mini_batches):
+        mini = sorted(order[m::mini_batches], key=lambda i: -len(samples[i].tokens))
+        ranks = [[] for _ in range(world)]
+        for k, i in enumerate(mini):
+            r = k % (2 * world)
+            ranks[r if r < world else 2 * world - 1 - r].append(i)
+        width = max(len(r) for r in ranks)
+        plan.append([r + [-1] * (width - len(r)) for r in ranks])
+    return plan
+
+
+def collate(samples: list[Sample], idx: list[int], extras: dict, device):
+    """Right-padded micro-batch. -1 entries are copies of sample 0 with an all-zero mask (FSDP padding)."""
+    import torch
+    rows = [samples[i] if i >= 0 else samples[0] for i in idx]
+    T = max(len(s.tokens) for s in rows)
+
+    def pad(values, fill, dtype, n=T):
+        return torch.tensor([list(v) + [fill] * (n - len(v)) for v in values], dtype=dtype, device=device)
+    mb = {"ids": pad([s.tokens for s in rows], 0, torch.long),
+          "attn": pad([[1] * len(s.tokens) for s in rows], 0, torch.long),
+          "mask": pad([s.mask[1:] if i >= 0 else [0] * (len(s.tokens) - 1) for s, i in zip(rows, idx)], 0,
+                      torch.float, T - 1),
+          "behaviour": pad([s.logprobs[1:] for s in rows], 0.0, torch.float, T - 1)}
+    for key, per_sample in extras.items():  # step-axis arrays computed by the driver (advantages, old log-probs...)
+        mb[key] = pad([per_sample[max(i, 0)] for i in idx], 0.0, torch.float, T - 1)
+    if any(s.mm for s in rows):
+        mb["mm"] = {k: torch.cat([s.mm[k] for s, i in zip(rows, idx) if s.mm]).to(device) for k in rows[0].mm}
+    if any(s.routing is not None for s in rows):
+        mb["routing"] = routing_batch(rows, T, device)
+    return mb
+
+
+def model_forward(model, mb: dict, image_token: int | None):
+    """Logits [b, T, V] (or values [b, T, 1] for the critic). VLM inputs go in with token types (1 on image pads)."""
+    kw = {}
+    if "mm" in mb:
+        kw = dict(mb["mm"], mm_token_type_ids=(mb["ids"] == image_token).long())
+    set_routing(model, mb.get("routing"))  # stays set through backward: activation-checkpoint recompute sees it
+    return model(input_ids=mb["ids"], attention_mask=mb["attn"], use_cache=False, **kw).logits
+
+
+def token_logprobs(logits, ids, temperature: float, with_entropy=False):
+    """log p(ids[t + 1] | ids[:t + 1]) at the sampling temperature, in fp32: [b, T - 1] (+ entropy [b, T - 1])."""
+    logp = (logits[:, :-1].float() / temperature).log_softmax(-1)
+    lp = logp.gather(-1, ids[:, 1:, None])[..., 0]
+    return (lp, -(logp.exp() * logp).sum(-1)) if with_entropy else (lp, None)
+
+
+def lr_lambda(cfg: TrainConfig, total_steps: int):
+    def f(step):
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        decay = {"constant": 1.0, "linear": 1 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress))}
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay[cfg.lr_schedule]
+    return f
+
+
+def use_automodel(cfg: Config, role: str) -> bool:
+    if cfg.train.backend == "automodel":
+        return True
+    return cfg.train.backend == "auto" and role != "critic" and _cuda() and importlib.util.find_spec("nemo_automodel")
+
+
+def build_automodel(path: str, vlm: bool, grad_checkpointing: bool):
+    """NVIDIA AutoModel 0.7 (CUDA): its own FSDP2 setup and kernels. Its loader hard-codes CUDA devices, so this
+    path cannot run (or be tested) on CPU machines."""
+    import torch
+    from nemo_automodel import NeMoAutoModelForCausalLM, NeMoAutoModelForImageTextToText
+    from nemo_automodel.components.distributed.config import DistributedSetup
+    setup = DistributedSetup.build("fsdp2", activation_checkpointing=grad_checkpointing)
+    cls = NeMoAutoModelForImageTextToText if vlm else NeMoAutoModelForCausalLM
+    return cls.from_pretrained(path, distributed_setup=setup, dtype=torch.float32)
+
+
+def build_hf(path: str, role: str, vlm: bool, cuda: bool, grad_checkpointing: bool, actor: ActorConfig):
+    """transformers + torch FSDP2: every decoder (and vision) block is a shard unit, then the root. fp32 master
+    weights; on CUDA the forward computes in bf16 with fp32 gradient reduction."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForTokenClassification
+    if role == "critic":
+        if vlm:
+            raise ValueError("the gae critic supports text models only")
+        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    else:
+        model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32)
+    prepare_moe(model, actor, role)
+    if cuda:
+        model = model.cuda()
+    if grad_checkpointing and role != "ref":
+        model.gradient_checkpointing_enable()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
+    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+class PolicyWorker:
+    """One FSDP2 rank. role: policy (trained), ref (frozen reference / teacher) or critic (value model for gae)."""
+
+    def __init__(self, cfg: Config, model_path: str, role: str, rank: int, world: int):
+        self.cfg, self.path, self.role, self.rank, self.world = cfg, model_path, role, rank, world
+
+    def address(self):
+        import socket
+
+        import ray
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return ray.util.get_node_ip_address(), sock.getsockname()[1]
+
+    def setup(self, addr: str, port: int, total_steps: int):
+        import torch
+        import torch.distributed as dist
+        from transformers import AutoConfig
+        cuda = _cuda()
+        if not cuda:
+            torch.set_num_threads(1)  # tiny models step ~20x faster than with 2 threads on these machines
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{addr}:{port}", rank=self.rank,
+                                world_size=self.world)
+        torch.manual_seed(self.cfg.seed)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        hf = AutoConfig.from_pretrained(self.path)
+        vlm = hasattr(hf, "vision_config")
+        self.image_token = getattr(hf, "image_token_id", None)
+        self.tied = getattr(getattr(hf, "text_config", hf), "tie_word_embeddings", False) or \
+            getattr(hf, "tie_word_embeddings", False)
+        gc = self.cfg.train.grad_checkpointing
+        self.model = build_automodel(self.path, vlm, gc) if use_automodel(self.cfg, self.role) and self.role != "ref" \
+            else build_hf(self.path, self.role, vlm, cuda, gc, self.cfg.actor)
+        self.model.train(self.role != "ref")
+        if self.role == "ref":
+            return
+        lr = self.cfg.critic.lr if self.role == "critic" else self.cfg.train.lr
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optim = torch.optim.AdamW(params, lr=lr, betas=tuple(self.cfg.train.betas),
+                                       weight_decay=self.cfg.train.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, lr_lambda(self.cfg.train, total_steps))
+
+    # -- forward only ------------------------------------------------------------------------------------------
+    def forward(self, batch, plan: list[list[list[int]]]) -> dict:
+        """{sample index: step-axis log-probs (policy, ref) or values (critic)} for this rank's share of the plan."""
+        import torch
+        samples, out = batch, {}
+        with torch.no_grad():
+            for mini in plan:
+                mine = mini[self.rank]
+                for k in range(0, len(mine), self.cfg.train.micro_batch_size):
+                    idx = mine[k:k + self.cfg.train.micro_batch_size]
+                    mb = collate(samples, idx, {}, self.device)
+                    logits = model_forward(self.model, mb, self.image_token)
+                    vals = logits[:, :-1, 0].float() if self.role == "critic" else \
+                        token_logprobs(logits, mb["ids"], self.cfg.rollout.temperature)[0]
+                    for j, i in enumerate(idx):
+                        if i >= 0:
+                            out[i] = vals[j, :len(samples[i].tokens) - 1].cpu().numpy()
+        return out
+
+    # -- training ----------------------------------------------------------------------------------------------
+    def train(self, batch, plan, extras: dict, counts: list[tuple[float, float]]) -> dict:
+        """One optimizer step per mini-batch in plan, train.epochs times. extras: per-sample step-axis arrays
+        ("adv", and as needed "old", "ref", "returns", "values"); counts[m] = (action tokens, sequences) of
+        mini-batch m over all ranks, the denominators that make micro-batching and sharding exact."""
+        import torch
+        sums: dict[str, float] = {}
+        for _ in range(self.cfg.train.epochs):
+            for m, mini in enumerate(plan):
+                mine = mini[self.rank]
+                for k in range(0, len(mine), self.cfg.train.micro_batch_size):
+                    mb = collate(batch, mine[k:k + self.cfg.train.micro_batch_size], extras, self.device)
+                    loss, stats = (self.critic_loss if self.role == "critic" else self.policy_loss)(mb, *counts[m])
+                    (loss * self.world).backward()  # FSDP averages gradients over ranks; the loss is a global sum
+                    for key, (num, den) in stats.items():
+                        acc = sums.setdefault(key, [0.0, 0.0])
+                        acc[0], acc[1] = acc[0] + float(num), acc[1] + float(den)
+                grad_norm = self.step()
+                acc = sums.setdefault("grad_norm", [0.0, 0.0])
+                acc[0], acc[1] = acc[0] + grad_norm, acc[1] + 1
+        return sums
+
+    def policy_loss(self, mb, n_tokens, n_seqs):
+        import torch
+        logits = model_forward(self.model, mb, self.image_token)
+        logp, entropy = token_logprobs(logits, mb["ids"], self.cfg.rollout.temperature, with_entropy=True)
+        mask = mb["mask"]
+        old = mb["old"] if "old" in mb else logp.detach()
+        loss_tok, st = policy_loss(self.cfg.algo, logp, old, mb["behaviour"], mb["adv"], mask, mb.get("ref"),
+                                   entropy if self.cfg.algo.entropy_coef else None)
+        loss = aggregate(loss_tok, mask, self.cfg.algo.loss_agg, n_tokens, n_seqs)
+        n = float(mask.sum())
+        stats = {"loss/policy": ((loss_tok.detach() * mask).sum(), n), "entropy": ((entropy.detach() * mask).sum(), n),
+                 "rollout/logprob_gap": (((old - mb["behaviour"]).abs() * mask).sum(), n),
+                 "rollout/ratio_mean": ((torch.exp(old - mb["behaviour"]).clamp(max=1e4) * mask).sum(), n)}
+        for key, val in st.items():
+            stats[key] = ((val * mask).sum(), n)
+        return loss, stats
+
+    def critic_loss(self, mb, n_tokens, n_seqs):
+        """Clipped value loss 0.5 * max((V - R)^2, (V_old + clip(V - V_old) - R)^2), token-mean over the batch."""
+        import torch
+        v = model_forward(self.model, mb, self.image_token)[:, :-1, 0].float()
+        mask, ret, old = mb["mask"], mb["returns"], mb["values"]
+        loss_tok = (v - ret) ** 2
+        c = self.cfg.critic.value_clip
+        if c:
+            loss_tok = torch.maximum(loss_tok, (old + (v - old).clamp(-c, c) - ret) ** 2)
+        loss = aggregate(0.5 * loss_tok, mask, "token", n_tokens, n_seqs)
+        return loss, {"loss/value": ((0.5 * loss_tok.detach() * mask).sum(), float(mask.sum()))}
+
+    def step(self) -> float:
+        import torch
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm or float("inf"))
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.optim.step()
+        self.sched.step()
+        self.optim.zero_grad(set_to_none=True)
+        return float(norm)
+
+    # -- weights out -------------------------------------------------------------------------------------------
+    def full_state(self):
+        """Yield (name, full tensor on CPU) in a fixed order; every rank must iterate (full_tensor is a collective)."""
+        for name, t in self.model.state_dict().items():
+            t = t.full_tensor() if hasattr(t, "full_tensor") else t
+            yield name, t.detach().to("cpu")
+
+    def export_weights(self, bucket_mb: int) -> dict | None:
+        """Buckets of checkpoint-named tensors put in the Ray object store: {"refs", "bytes"} on rank 0."""
+        import ray
+        refs, bucket, size, total = [], {}, 0, 0
+        for name, t in self.full_state():
+            if self.rank != 0:
+                continue
+            bucket[name], size = t, size + t.numel() * t.element_size()
+            if size >= bucket_mb << 20:
+                refs.append(ray.put(checkpoint_names(self.model, bucket, self.tied)))
+                bucket, total, size = {}, total + size, 0
+        if self.rank != 0:
+            return None
+        refs += [ray.put(checkpoint_names(self.model, bucket, self.tied))] if bucket else []
+        return {"refs": refs, "bytes": total + size}
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+    def save(self, out: str, extra: dict):
+        """HF-format model directory (loadable as is by transformers and vLLM) + optimizer, scheduler and RNG."""
+        import torch
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        full = dict(self.full_state())
+        optim = get_optimizer_state_dict(self.model, self.optim,
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        torch.save({"torch": torch.get_rng_state(), "random": random.getstate(), "numpy": np.random.get_state()},
+                   f"{out}/rng_rank{self.rank}.pt")
+        if self.rank == 0:
+            self.model.save_pretrained(out, state_dict=full, safe_serialization=True)
+            for f in Path(self.path).iterdir():  # tokenizer, processor and generation files travel with the weights
+                if f.is_file() and not f.name.endswith((".safetensors", ".bin")) and f.name not in ("config.json",
+                                                                                                   "model.safetensors.index.json"):
+                    shutil.copy(f, out)
+            torch.save({"optim": optim, "sched": self.sched.state_dict(), **extra}, f"{out}/trainer_state.pt")
+
+    def load(self, ckpt: str) -> dict:
+        """Optimizer, scheduler and RNG from a checkpoint (the weights were loaded from it at setup)."""
+        import torch
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        state = torch.load(f"{ckpt}/trainer_state.pt", weights_only=False)
+        set_optimizer_state_dict(self.model, self.optim, state["optim"],
+                                 options=StateDictOptions(full_state_dict=True))
+        self.sched.load_state_dict(state["sched"])
+        rng = torch.load(f"{ckpt}/rng_rank{self.rank}.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["random"])
+        np.random.set_state(rng["numpy"])
+        return {k: v for k, v in state.items() if k not in ("optim", "sched")}
+
+
+def checkpoint_names(model, tensors: dict, tied: bool) -> dict:
+    """In-memory names -> the checkpoint names vLLM loads (transformers 5 fuses e.g. MoE experts in memory and
+    splits them back on save; AutoModel's own models carry a state-dict adapter). A tied lm_head is not sent."""
+    adapter = getattr(model, "state_dict_adapter", None)
+    if adapter is not None:
+        tensors = adapter.to_hf(tensors)
+    else:
+        from transformers.core_model_loading import revert_weight_conversion
+        tensors = revert_weight_conversion(model, tensors)
+    return {k: v for k, v in tensors.items() if not (tied and k == "lm_head.weight")}
+
+
+class TrainerGroup:
+    """The ranks of one model, driven from the main loop."""
+
+    def __init__(self, cfg: Config, model_path: str, role: str, total_steps: int):
+        import ray
+        n = 1 if role == "ref" else cfg.train.num_ranks
+        actor = ray.remote(PolicyWorker).options(num_cpus=1, num_gpus=1 if _cuda() else 0)
+        self.workers = [actor.remote(cfg, model_path, role, r, n) for r in range(n)]
+        addr, port = ray.get(self.workers[0].address.remote())
+        ray.get([w.setup.remote(addr, port, total_steps) for w in self.workers])
+        self.world = n
+
+    def run(self, method: str, *args) -> list:
+        import ray
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+
+    def forward(self, batch_ref, plan) -> dict:
+        return {i: v for part in self.run("forward", batch_ref, plan) for i, v in part.items()}
+
+    def train(self, batch_ref, plan, extras_ref, counts) -> dict:
+        totals: dict[str, list[float]] = {}
+        for part in self.run("train", batch_ref, plan, extras_ref, counts):
+            for key, (num, den) in part.items():
+                acc = totals.setdefault(key, [0.0, 0.0])
+                acc[0], acc[1] = acc[0] + num, acc[1] + den
+        return {k: num / max(den, 1e-9) for k, (num, den) in totals.items()}  # token- (or step-) weighted means
+
+
+def step_tensors(samples: list[Sample]):
+    """Padded step-axis tensors of a batch: mask [B, S], rewards [B], group and rollout ids as integers [B]."""
+    import torch
+    S = max(len(s.tokens) for s in samples) - 1
+    mask = torch.tensor([s.mask[1:] + [0] * (S - len(s.tokens) + 1) for s in samples], dtype=torch.float)
+    ids = {}
+    group = torch.tensor([ids.setdefault(("g", s.group_id or s.rollout_id), len(ids)) for s in samples])
+    rollout = torch.tensor([ids.setdefault(("r", s.rollout_id or str(i)), len(ids)) for i, s in enumerate(samples)])
+    return mask, torch.tensor([s.reward for s in samples], dtype=torch.float), group, rollout
+
+
+def padded(per_sample: dict, B: int, S: int):
+    import torch
+    out = torch.zeros(B, S)
+    for i, v in per_sample.items():
+        out[i, :len(v)] = torch.as_tensor(v)
+    return out
+
+
+def check_batch(samples: list[Sample]):
+    if not samples:
+        raise ValueError("empty batch: nothing to train on")
+    for s in samples:
+        s.check()
+
+
+def learn(cfg: Config, groups: dict, samples: list[Sample]) -> dict:
+    """One training step on a batch of Samples: reference / old-policy / critic forwards as the algorithm needs,
+    advantages on the driver (whole batch: group baselines and whitening are exact), then the policy (and critic)
+    updates. Nothing is trained if any sample is malformed."""
+    import ray
+    check_batch(samples)
+    policy, algo = groups["policy"], cfg.algo
+    plan = shard_plan(samples, policy.world, cfg.train.mini_batches)
+    batch = ray.put(samples)
+    mask, reward, group, rollout = step_tensors(samples)
+    B, S = mask.shape
+    kl_from_ref = "ref" in groups and (algo.kl_in_reward or algo.estimator == "on_policy_distill")
+    extras = {}
+    if cfg.train.mini_batches * cfg.train.epochs > 1 or kl_from_ref:
+        extras["old"] = policy.forward(batch, plan)
+    if "ref" in groups:
+        extras["ref"] = groups["ref"].forward(batch, shard_plan(samples, 1, 1))
+    values = groups["critic"].forward(batch, plan) if "critic" in groups else None
+    kl = padded(extras["old"], B, S) - padded(extras["ref"], B, S) if kl_from_ref else None
+    adv, returns = compute_advantages(algo, reward, group, rollout, mask, kl=kl,
+                                      values=None if values is None else padded(values, B, S))
+    extras["adv"] = {i: adv[i, :len(s.tokens) - 1].numpy() for i, s in enumerate(samples)}
+    counts = []  # per mini-batch over all ranks: (action tokens, sequences), the loss denominators
+    for mini in plan:
+        idx = {i for rank in mini for i in rank if i >= 0}
+        counts.append((float(sum(sum(samples[i].mask[1:]) for i in idx)), float(len(idx))))
+    if algo.kl_in_reward or not algo.kl_coef or algo.estimator == "on_policy_distill":
+        extras.pop("ref", None)  # the loss needs the reference only for a KL term in the loss
+    metrics = policy.train(batch, plan, ray.put(extras), counts)
+    if values is not None:
+        critic_extras = {"values": values, "returns": {i: returns[i, :len(s.tokens) - 1].numpy()
+                                                      for i, s in enumerate(samples)}}
+        metrics.update(groups["critic"].train(batch, plan, ray.put(critic_extras), counts))
+    metrics["adv/mean"] = float((adv * mask).sum() / mask.sum().clamp(min=1))
+    if kl is not None:
+        metrics["kl/ref"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
+    return metrics
+
+
+# ======================================================================================================
 # 10. Routing replay (MoE): capture alignment on the rollout side, replay in the training forward.
 # ======================================================================================================
 
@@ -1575,3 +2202,132 @@ def absorb_routing(sample: Sample, routing):
         k = min(len(routing), n)
         unset = (sample.routing[:k] < 0).all(axis=(1, 2))
         sample.routing[:k][unset] = routing[:k][unset]
+
+
+def moe_routers(model) -> list:
+    """The top-k routers of transformers MoE blocks (Qwen2-MoE, Qwen3-MoE, Mixtral families: a linear gate, softmax,
+    top-k, optional renormalisation)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k")]
+
+
+def router_forward(self, hidden_states):
+    """Drop-in for those routers' forward. fp32 gate when asked; with a replay target set, every token that has a
+    recorded selection uses it (the routing weights still come from the live logits, so the router keeps its
+    gradient); -1 rows keep the live choice. The live selection is kept in molt_live for metrics and tests."""
+    import torch
+    import torch.nn.functional as F
+    h = hidden_states.reshape(-1, self.weight.shape[-1])
+    logits = F.linear(h.float(), self.weight.float()) if self.molt_fp32 else F.linear(h, self.weight)
+    probs = logits.float().softmax(-1)
+    top_v, top_i = torch.topk(probs, self.top_k, dim=-1)
+    self.molt_live = top_i.detach()
+    target = self.molt_target
+    if target is not None:
+        target = target.to(top_i.device)
+        self.molt_mismatch = ((target >= 0).all(-1) & (target.sort(-1).values != top_i.sort(-1).values).any(-1),
+                              (target >= 0).all(-1))
+        if self.molt_replay:
+            top_i = torch.where((target >= 0).all(-1, keepdim=True), target, top_i)
+            top_v = probs.gather(-1, top_i)
+    if getattr(self, "norm_topk_prob", True):
+        top_v = top_v / top_v.sum(-1, keepdim=True)
+    return logits.to(h.dtype), top_v.to(h.dtype), top_i
+
+
+def prepare_moe(model, actor: ActorConfig, role: str, replay: bool = True) -> list:
+    """Install Molt's router forward (fp32 gate, replay) and freeze routers when asked (before FSDP wraps them)."""
+    import types
+    routers = model._molt_routers = moe_routers(model)
+    for name, module in model.named_modules():
+        if module in routers:
+            match = re.search(r"layers\.(\d+)\.", name + ".")
+            module.molt_layer = int(match.group(1)) if match else routers.index(module)
+            module.molt_fp32, module.molt_replay, module.molt_target = actor.fp32_router, replay, None
+            module.forward = types.MethodType(router_forward, module)
+            if actor.freeze_moe_router and role != "ref":
+                module.weight.requires_grad_(False)
+    return routers
+
+
+def set_routing(model, routing):
+    """routing [b, T, layers, top_k] (-1 = none) -> each router's [b * T, top_k] target; None clears them."""
+    for router in getattr(model, "_molt_routers", None) or []:
+        layer = router.molt_layer
+        router.molt_target = None if routing is None or layer >= routing.shape[2] else \
+            routing[:, :, layer, :].reshape(-1, routing.shape[-1]).long()
+
+
+def routing_batch(rows: list[Sample], T: int, device):
+    """Stack the samples' routing [T_i, layers, top_k] into [b, T, layers, top_k], padding with -1."""
+    import torch
+    shape = next(s.routing.shape[1:] for s in rows if s.routing is not None)
+    out = torch.full((len(rows), T, *shape), -1, dtype=torch.long)
+    for i, s in enumerate(rows):
+        if s.routing is not None:
+            out[i, :len(s.routing)] = torch.from_numpy(s.routing.astype(np.int64))
+    return out.to(device)
+
+
+# ======================================================================================================
+# 11. Weight sync: trainer -> engines. Rank 0 gathers full tensors bucket by bucket into the Ray object store; every
+# engine pauses (requests kept), loads them in place, resets its prefix cache, takes the new version and resumes.
+# ======================================================================================================
+
+
+def sync_weights(cfg: Config, policy: TrainerGroup, engines: list, version: int) -> dict:
+    import ray
+    t0 = time.perf_counter()
+    exported = policy.run("export_weights", cfg.train.sync_bucket_mb)[0]
+    buckets = exported["refs"]
+    t1 = time.perf_counter()
+    live = []
+    for e in engines:  # a dead engine must not stall the update of the living ones
+        try:
+            ray.get(e.pause.remote(), timeout=600)
+            live.append(e)
+        except ray.exceptions.RayActorError:
+            print("[sync] skipping a dead engine", file=sys.stderr)
+    missing = ray.get([e.load_weights.remote(buckets, cfg.train.check_weight_sync) for e in live])
+    ray.get([e.resume.remote(version) for e in live])
+    stale = sorted({name for m in missing if m for name in m})
+    if stale:
+        print(f"[sync] {len(stale)} engine parameters not reached by the update: {', '.join(stale[:10])}",
+              file=sys.stderr)
+    out = {"time/weight_sync": time.perf_counter() - t0, "time/weight_export": t1 - t0,
+           "sync/bytes": exported["bytes"]}
+    if cfg.train.check_weight_sync:
+        out["sync/stale_params"] = len(stale)
+    return out
+
+
+# ======================================================================================================
+# 12. Main: checkpoints, the training loop, evaluation, CLI entry.
+# ======================================================================================================
+
+
+def save_checkpoint(run_dir: str, step: int, groups: dict, extra: dict, keep: int) -> Path:
+    """checkpoints/step_N/: an HF model directory + trainer state. Written under a temporary name and renamed, so a
+    crash mid-save leaves the previous checkpoint intact; only the newest `keep` are kept."""
+    root = Path(run_dir) / "checkpoints"
+    final, tmp = root / f"step_{step:06d}", root / f".step_{step:06d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "critic").mkdir(parents=True)
+    groups["policy"].run("save", str(tmp), extra)
+    if "critic" in groups:
+        groups["critic"].run("save", str(tmp / "critic"), {})
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_file_state(path: str) -> dict:
+    """Every tensor of a local HF checkpoint directory, by checkpoint name."""
+    from safetensors.torch import load_file
+    return {k: v for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def latest_checkpoint(run_dir: str) -> Path | None:
+    done = [p for p in sorted((Path(run_dir) / "checkpoints").glob("step_*")) if (p / "trainer_state.pt").exists()]
+    return done[-1] if done else None

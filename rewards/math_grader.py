@@ -67,7 +67,10 @@ def _number(s: str):
 def _sympy_equal(a: str, b: str) -> bool:
     try:
         import sympy
-        x, y = sympy.sympify(a.replace("^", "**")), sympy.sympify(b.replace("^", "**"))
+        from sympy.parsing.sympy_parser import (implicit_multiplication_application, parse_expr,
+                                                standard_transformations)
+        rules = standard_transformations + (implicit_multiplication_application,)
+        x, y = (parse_expr(t.replace("^", "**"), transformations=rules) for t in (a, b))
         return bool(sympy.simplify(x - y) == 0)
     except Exception:  # noqa: BLE001 - sympy missing or the text is not an expression
         return False

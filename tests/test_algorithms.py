@@ -1,0 +1,162 @@
+"""Section 8: estimators, losses, IS correction and KL against hand-computed values on small tensors."""
+import math
+
+import pytest
+import torch
+
+import molt
+
+
+def algo(**kw):
+    a = molt.AlgoConfig()
+    for k, v in kw.items():
+        setattr(a, k, v)
+    return a
+
+
+def t(*rows):
+    return torch.tensor(rows, dtype=torch.float)
+
+
+MASK = t([0, 1, 1], [0, 1, 0], [1, 1, 1], [0, 0, 1])
+
+
+def adv(estimator, reward, group, rollout, mask=MASK, **kw):
+    return molt.compute_advantages(algo(estimator=estimator, **kw), torch.tensor(reward, dtype=torch.float),
+                                   torch.tensor(group), torch.tensor(rollout), mask)
+
+
+def test_grpo_normalises_within_groups_with_unbiased_std():
+    a, _ = adv("grpo", [1.0, 0.0, 3.0, 5.0], [0, 0, 1, 1], [0, 1, 2, 3])
+    s = math.sqrt(0.5)  # unbiased std of {1, 0}; {3, 5} has std sqrt(2)
+    expect = [0.5 / s, -0.5 / s, -1 / math.sqrt(2), 1 / math.sqrt(2)]
+    for i, e in enumerate(expect):
+        assert torch.allclose(a[i], e * MASK[i], atol=1e-4)
+
+
+def test_all_equal_rewards_and_singletons_give_zero_group_advantage():
+    for est in ("grpo", "dr_grpo", "reinforce_baseline"):
+        a, _ = adv(est, [2.0, 2.0, 7.0, 1.0], [0, 0, 1, 2], [0, 1, 2, 3])
+        assert torch.all(a == 0), est
+
+
+def test_dr_grpo_and_rloo():
+    a, _ = adv("dr_grpo", [1.0, 0.0, 0.0, 3.0], [0, 0, 0, 1], [0, 1, 2, 3])
+    assert torch.allclose(a[0], (1 - 1 / 3) * MASK[0]) and torch.allclose(a[1], (-1 / 3) * MASK[1])
+    assert torch.all(a[3] == 0)
+    r, _ = adv("rloo", [1.0, 0.0, 0.0, 3.0], [0, 0, 0, 1], [0, 1, 2, 3])
+    assert torch.allclose(r[0], 1.0 * MASK[0]) and torch.allclose(r[1], -0.5 * MASK[1])
+    assert torch.allclose(r[3], 3.0 * MASK[3])  # a singleton keeps its raw reward
+
+
+def test_segments_of_one_episode_share_reward_and_count_once():
+    # rollout 0 has two segments (samples 0, 1); the group is {rollout 0, rollout 1}: mean 0.5, not 2/3
+    a, _ = adv("dr_grpo", [1.0, 1.0, 0.0, 0.0], [0, 0, 0, 1], [0, 0, 1, 2])
+    assert torch.allclose(a[0], 0.5 * MASK[0]) and torch.allclose(a[1], 0.5 * MASK[1])
+    assert torch.allclose(a[2], -0.5 * MASK[2])
+
+
+def test_reinforce_baseline_whitens_over_all_action_tokens():
+    a, returns = adv("reinforce_baseline", [1.0, 0.0, 3.0, 5.0], [0, 0, 1, 1], [0, 1, 2, 3])
+    assert torch.allclose(returns[2], -1.0 * MASK[2])
+    vals = a[MASK.bool()]
+    assert abs(float(vals.mean())) < 1e-5 and abs(float(vals.std(unbiased=False)) - 1) < 1e-4
+
+
+def test_reinforce_puts_reward_on_last_token_and_discounts():
+    mask = t([0, 1, 1, 1])
+    _, returns = molt.compute_advantages(algo(estimator="reinforce", gamma=0.5), t(4.0)[0:1].reshape(1),
+                                         torch.tensor([0]), torch.tensor([0]), mask)
+    assert torch.allclose(returns, t([0, 1.0, 2.0, 4.0]))
+
+
+def test_gae_matches_hand_computation_and_monte_carlo_at_lambda_one():
+    mask, values = t([1, 1, 0, 1]), t([0.5, 1.0, 9.0, 2.0])  # position 2 is masked: transparent
+    a = algo(estimator="gae", gamma=1.0, lam=1.0)
+    _, returns = molt.compute_advantages(a, torch.tensor([3.0]), torch.tensor([0]), torch.tensor([0]), mask,
+                                         values=values)
+    assert torch.allclose(returns, t([3.0, 3.0, 0.0, 3.0]))  # Monte-Carlo return at every action token
+    a = algo(estimator="gae", gamma=0.9, lam=0.5)
+    adv_w, returns = molt.compute_advantages(a, torch.tensor([3.0]), torch.tensor([0]), torch.tensor([0]), mask,
+                                             values=values)
+    d3 = 3.0 - 2.0
+    d1 = 0 + 0.9 * 2.0 - 1.0
+    a1 = d1 + 0.45 * d3
+    d0 = 0 + 0.9 * 1.0 - 0.5
+    a0 = d0 + 0.45 * a1
+    assert torch.allclose(returns, t([a0 + 0.5, a1 + 1.0, 0.0, d3 + 2.0]), atol=1e-5)
+
+
+def test_on_policy_distill_uses_reverse_kl_as_advantage():
+    kl = t([0.0, 0.3, -0.2])
+    a, _ = molt.compute_advantages(algo(estimator="on_policy_distill", kl_coef=2.0), torch.tensor([9.0]),
+                                   torch.tensor([0]), torch.tensor([0]), t([0, 1, 1]), kl=kl)
+    assert torch.allclose(a, t([0.0, -0.6, 0.4]))
+
+
+@pytest.mark.parametrize("kind, expect", [("k1", [0.5, -0.5]), ("k2", [0.125, 0.125]),
+                                          ("k3", [math.exp(-0.5) - 1 + 0.5, math.exp(0.5) - 1 - 0.5])])
+def test_kl_estimators(kind, expect):
+    assert torch.allclose(molt.approx_kl(t([0.0, -1.0]), t([-0.5, -0.5]), kind), t(*[expect])[0], atol=1e-6)
+    assert torch.isfinite(molt.approx_kl(t([0.0]), t([-math.inf]), kind)).all()
+
+
+def test_ppo_clip_and_dual_clip():
+    logp, old, mask = t([math.log(1.5), math.log(0.5)]), t([0.0, 0.0]), t([1.0, 1.0])
+    loss, clipped = molt.loss_ppo(algo(clip_low=0.2, clip_high=0.2), logp, old, t([1.0, -1.0]), mask)
+    assert torch.allclose(loss, t([-1.2, 0.8])) and clipped.tolist() == [[1.0, 1.0]]
+    big = t([math.log(5.0)])
+    loss, _ = molt.loss_ppo(algo(dual_clip=3.0), big, t([0.0]), t([-1.0]), t([1.0]))
+    assert torch.allclose(loss, t([3.0]))  # -max(min(-5, -1.2), 3 * -1) = 3
+
+
+def test_gspo_uses_the_sequence_geometric_mean_with_token_gradients():
+    logp = torch.tensor([[0.2, 0.0, 5.0]], requires_grad=True)
+    loss, clip = molt.loss_gspo(algo(clip_low=0.2, clip_high=0.2), logp, t([0.0, 0.0, 0.0]), t([1.0, 1.0, 1.0]),
+                                t([1.0, 1.0, 0.0]))
+    assert torch.allclose(loss[0, :2], -torch.exp(torch.tensor(0.1)).expand(2))  # masked token 2 ignored
+    loss[0, :2].sum().backward()
+    assert torch.allclose(logp.grad[0, :2], -torch.exp(torch.tensor(0.1)).expand(2))
+
+
+def test_cispo_clips_detached_weight_from_above_only():
+    logp = torch.tensor([[math.log(2.0), math.log(0.5)]], requires_grad=True)
+    loss, above = molt.loss_cispo(algo(loss="cispo", clip_high=1.2), logp, t([0.0, 0.0]), t([1.0, 1.0]), t([1.0, 1.0]))
+    assert above.tolist() == [[1.0, 0.0]]
+    loss.sum().backward()
+    assert torch.allclose(logp.grad, t([-1.2, -0.5]))
+
+
+OLD, BEH, M = t([0.0, 0.0, 0.0]), t([math.log(0.25), 0.0, math.log(1.5)]), t([1.0, 1.0, 1.0])  # w = 4, 1, 2/3
+
+
+@pytest.mark.parametrize("level, mode, coef, filtered", [
+    ("token", "mask", [0, 1, 2 / 3], [1, 0, 0]),
+    ("token", "clip", [2.0, 1.0, 2 / 3], [1, 0, 0]),
+    ("token", "trunc", [2.0, 1.0, 2 / 3], [1, 0, 0]),
+    ("seq", "mask", [0, 0, 0], [1, 1, 1]),  # product 8/3 > 2: the whole sequence is gated out
+    ("seq", "clip", [2.0, 2.0, 2.0], [1, 1, 1]),
+    ("seq", "trunc", [2.0, 2.0, 2.0], [1, 1, 1]),
+    ("geo", "mask", [4.0, 1.0, 2 / 3], [0, 0, 0]),  # geometric mean (8/3)^(1/3) ~ 1.39 lies inside the band
+    ("geo", "clip", [(8 / 3) ** (1 / 3)] * 3, [0, 0, 0]),
+    ("geo", "trunc", [(8 / 3) ** (1 / 3)] * 3, [0, 0, 0]),
+])
+def test_is_levels_and_modes(level, mode, coef, filtered):
+    c, f = molt.is_correction(algo(is_level=level, is_mode=mode, is_low=0.5, is_high=2.0), OLD, BEH, M)
+    assert torch.allclose(c[0], t(coef)[0], atol=1e-5), c
+    assert f[0].tolist() == filtered
+
+
+def test_is_respects_the_mask_and_off_means_one():
+    beh = t([-math.log(1.2), -math.log(10.0), -math.log(1.1)])  # w = 1.2, 10 (masked out), 1.1
+    c, f = molt.is_correction(algo(is_level="seq", is_mode="mask", is_low=0.5, is_high=2.0), OLD, beh,
+                              t([1.0, 0.0, 1.0]))
+    assert torch.allclose(c[0, [0, 2]], t([1.2, 1.1])[0]) and f.sum() == 0  # 1.32 inside; with the masked 10: out
+    c, f = molt.is_correction(algo(is_level="off"), OLD, BEH, M)
+    assert torch.all(c == 1) and torch.all(f == 0)
+
+
+def test_aggregation_token_and_sequence_means():
+    loss, mask = t([1.0, 2.0, 9.0], [3.0, 0.0, 0.0]), t([1.0, 1.0, 0.0], [1.0, 0.0, 0.0])
+    assert molt.aggregate(loss, mask, "token", n_tokens=3, n_seqs=2).item() == pytest.approx(2.0)
+    assert molt.aggregate(loss, mask, "seq", n_tokens=3, n_seqs=2).item() == pytest.approx((1.5 + 3.0) / 2)
