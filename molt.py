@@ -47,6 +47,7 @@ import re
 import secrets
 import shutil
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -846,10 +847,18 @@ class EngineActor:
 
     async def load_weights(self, buckets: list, check: bool = False):
         """buckets: ObjectRefs of {checkpoint name: tensor} dicts. Returns the engine parameters the update did not
-        reach when check is set. vLLM runs in other processes, so the tensors travel as safetensors bytes."""
-        from safetensors.torch import save
-        blobs = [save({k: v.contiguous() for k, v in (await ref).items()}) for ref in buckets]
-        return (await self.engine.collective_rpc("molt_load_weights", args=(blobs, check)))[0]
+        reach when check is set. vLLM's workers are other processes on this node: the tensors reach them as
+        safetensors files in shared memory, which they map instead of receiving bytes over a socket."""
+        from safetensors.torch import save_file
+        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+        files = [str(shm / f"molt-{uuid.uuid4().hex}.safetensors") for _ in buckets]
+        try:
+            for ref, f in zip(buckets, files):
+                save_file({k: v.contiguous() for k, v in (await ref).items()}, f)
+            return (await self.engine.collective_rpc("molt_load_weights", args=(files, check)))[0]
+        finally:
+            for f in files:
+                Path(f).unlink(missing_ok=True)
 
     async def resume(self, version: int):
         # Running requests are preempted so their KV is recomputed under the new weights (their tokens are kept),
@@ -887,9 +896,9 @@ def _absorb(acc: dict, c):
 class EngineWorker:
     """Mixed into vLLM's GPU/CPU worker (engine_args' worker_extension_cls); called through collective_rpc."""
 
-    def molt_load_weights(self, blobs: list[bytes], check: bool):
-        from safetensors.torch import load
-        loaded = vllm_reload_weights(self.model_runner, [kv for b in blobs for kv in load(b).items()])
+    def molt_load_weights(self, files: list[str], check: bool):
+        from safetensors.torch import load_file
+        loaded = vllm_reload_weights(self.model_runner, [kv for f in files for kv in load_file(f).items()])
         if not check:
             return None
         params = {n for n, p in self.model_runner.get_model().named_parameters() if p.is_floating_point()}

@@ -1,0 +1,123 @@
+"""Training throughput and weight-sync cost, in one run.
+
+    .venv/bin/python scripts/bench_train.py [--hidden 256] [--layers 4] [--samples 64] [--steps 5]
+
+1. tokens/s of Molt's train step (Ray actor, FSDP2, micro-batched GRPO loss) vs a plain PyTorch loop (same model,
+   same batch, same micro-batches, AdamW, one thread) alternating; prints the ratio (goal >= 0.9).
+2. weight-sync time (gather -> object store -> engine reload, pause/resume included) for models of growing size.
+"""
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import molt  # noqa: E402
+
+
+def random_model(hidden: int, layers: int) -> str:
+    """A random Qwen3 of the given size with the tiny tokenizer, saved to a temporary directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    tok = molt.tiny_tokenizer()
+    cfg = Qwen3Config(vocab_size=128, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 128), head_dim=32,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    out = tempfile.mkdtemp(prefix=f"molt-bench-{hidden}x{layers}-")
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def batch(n: int, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for g in range(n // 8):
+        prompt = [rng.randrange(5, 100) for _ in range(64)]
+        for k in range(8):
+            resp = [rng.randrange(5, 100) for _ in range(rng.randint(32, 96))]
+            s = molt.Sample(group_id=str(g), rollout_id=f"{g}-{k}", reward=float(rng.random() > 0.5))
+            s.extend(prompt)
+            s.extend(resp, [-4.7] * len(resp), [0] * len(resp))
+            out.append(s)
+    return out
+
+
+def plain_step(model, opt, samples, cfg):
+    """The same GRPO step written directly: advantages, micro-batches, token-mean loss, clip, AdamW."""
+    import torch
+    mask, reward, group, rollout = molt.step_tensors(samples)
+    adv, _ = molt.compute_advantages(cfg.algo, reward, group, rollout, mask)
+    n_tokens = float(mask.sum())
+    for k in range(0, len(samples), cfg.train.micro_batch_size):
+        rows = samples[k:k + cfg.train.micro_batch_size]
+        T = max(len(s.tokens) for s in rows)
+        ids = torch.tensor([s.tokens + [0] * (T - len(s.tokens)) for s in rows])
+        attn = torch.tensor([[1] * len(s.tokens) + [0] * (T - len(s.tokens)) for s in rows])
+        logp = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits[:, :-1].float(), -1)
+        logp = logp.gather(-1, ids[:, 1:, None])[..., 0]
+        m, a = mask[k:k + len(rows), :T - 1], adv[k:k + len(rows), :T - 1]
+        ratio = torch.exp(logp - logp.detach())
+        (-(ratio * a) * m).sum().div(n_tokens).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def main(args):
+    import ray
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(1)
+    cfg = molt.Config()
+    cfg.data.max_len, cfg.train.lr, cfg.train.micro_batch_size = 1024, 1e-5, 8
+    cfg.algo.is_level = "off"
+    path = random_model(args.hidden, args.layers)
+    molt.ray_init(cfg)
+    samples = batch(args.samples)
+    tokens = sum(len(s.tokens) for s in samples)
+    group = molt.TrainerGroup(cfg, path, "policy", total_steps=100)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
+    molt.learn(cfg, {"policy": group}, samples)  # warm-up
+    plain_step(model, opt, samples, cfg)
+    ours, plain = [], []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        molt.learn(cfg, {"policy": group}, samples)
+        ours.append(tokens / (time.perf_counter() - t))
+        t = time.perf_counter()
+        plain_step(model, opt, samples, cfg)
+        plain.append(tokens / (time.perf_counter() - t))
+    m, p = statistics.median(ours), statistics.median(plain)
+    params = sum(x.numel() for x in model.parameters())
+    print(f"train step ({params / 1e6:.1f}M params, {len(samples)} samples, {tokens} tokens): molt {m:.0f} tok/s, "
+          f"plain torch {p:.0f} tok/s, ratio {m / p:.3f} (goal >= 0.9)")
+    for w in group.workers:
+        ray.kill(w)
+    for hidden, layers in [(64, 2), (256, 4), (512, 8)]:
+        path = random_model(hidden, layers)
+        cfg.engine.kv_cache_gb = 0.25
+        engines = molt.start_engines(cfg, path)
+        group = molt.TrainerGroup(cfg, path, "policy", total_steps=100)
+        times = [molt.sync_weights(cfg, group, engines, v + 1) for v in range(4)]
+        mb = times[0]["sync/bytes"] / 2**20
+        total = statistics.median(t["time/weight_sync"] for t in times[1:])
+        export = statistics.median(t["time/weight_export"] for t in times[1:])
+        print(f"weight sync {mb:7.1f} MiB: {total * 1e3:7.1f} ms (gather + object store {export * 1e3:6.1f} ms, "
+              f"engine pause/load/resume {(total - export) * 1e3:6.1f} ms)")
+        for actor in [*engines, *group.workers]:
+            ray.kill(actor)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--steps", type=int, default=5)
+    main(p.parse_args())
