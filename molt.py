@@ -193,6 +193,7 @@ class Config:
     steps: int = _f(100, "training steps")
     seed: int = _f(0, "seed (engine i samples with seed + i)")
     resume: bool = _f(False, "continue from the newest checkpoint in the run directory")
+    target_reward: float = _f(0.0, "stop early once the mean reward of the last 10 steps reaches this (0 = off)")
     dump_samples: bool = _f(False, "write every step's Samples to samples/step_NNNNNN.jsonl")
     replay_samples: str = _f("", "train on dumped Samples from this directory instead of generating")
     ray_address: str = _f("", "join an existing Ray cluster (default: start a local one)")
@@ -213,7 +214,9 @@ SHORT_FLAGS = {"--data": "data.path", "--eval-data": "data.eval_path"}  # short 
 
 def _add_flag(parser, dest: str, f: dataclasses.Field, default):
     flag = "--" + dest.replace("_", "-")
-    kw = dict(dest=dest, default=default, help=f.metadata["help"] + " (default: %(default)s)")
+    kw = dict(dest=dest, default=default, help=f.metadata["help"])
+    if not isinstance(default, bool) and "choices" not in f.metadata:
+        kw["metavar"] = {int: "N", float: "X"}.get(f.metadata.get("type", type(default)), "S")
     if isinstance(default, bool):
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         return
@@ -727,7 +730,6 @@ def _import_path(path: str):
 def load_agent(path: str) -> Runner:
     """Load an agent module by file path. It must export AgentRunner: a Runner instance, or a Runner subclass
     whose constructor takes no arguments."""
-    sys.modules.setdefault("molt", sys.modules[__name__])  # `python molt.py` runs as __main__: one copy only
     module = _import_path(path)
     runner = getattr(module, "AgentRunner", None)
     if isinstance(runner, type) and issubclass(runner, Runner):
@@ -786,8 +788,9 @@ class EngineActor:
         self.resumed.set()
         self.aborting, self.tokens_discarded, self.requests = False, 0, 0
 
-    async def start(self) -> int:
-        await self.engine.engine_core.call_utility_async("set_weight_version", str(self.version))
+    async def start(self, version: int = 0) -> int:
+        self.version = version  # weights loaded from a checkpoint of step N are policy version N
+        await self.engine.engine_core.call_utility_async("set_weight_version", str(version))
         return self.index
 
     def check_request(self, ids: list[int], images: list | None):
@@ -839,16 +842,22 @@ class EngineActor:
                                  f"{len(prompt_ids)} vs {len(ids)} prompt tokens")
             return {"completions": [completions[i] for i in sorted(completions)]}
 
-    async def pause(self):
-        """Partial rollout: requests stay in place. Abort mode: in-flight requests are aborted and restarted."""
+    async def update(self, buckets: list, version: int, check: bool = False):
+        """One weight update: pause (requests kept in place; abort mode restarts them), load, resume as `version`.
+        Returns the engine parameters the update did not reach when check is set."""
         self.resumed.clear()
         self.aborting = self.cfg.rollout.update_mode == "abort"
-        await self.engine.pause_generation(mode="abort" if self.aborting else "keep", clear_cache=False)
+        await vllm_pause(self.engine, "abort" if self.aborting else "keep")
+        try:
+            missing = await self.load_weights(buckets, check)
+        finally:
+            await self.resume(version)
+        return {"missing": missing, "tokens_discarded": self.tokens_discarded}
 
     async def load_weights(self, buckets: list, check: bool = False):
-        """buckets: ObjectRefs of {checkpoint name: tensor} dicts. Returns the engine parameters the update did not
-        reach when check is set. vLLM's workers are other processes on this node: the tensors reach them as
-        safetensors files in shared memory, which they map instead of receiving bytes over a socket."""
+        """buckets: ObjectRefs of {checkpoint name: tensor} dicts, loaded in place (call while paused). vLLM's
+        workers are other processes on this node: the tensors reach them as safetensors files in shared memory,
+        which they map instead of receiving the bytes over a socket."""
         from safetensors.torch import save_file
         shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         files = [str(shm / f"molt-{uuid.uuid4().hex}.safetensors") for _ in buckets]
@@ -875,6 +884,13 @@ class EngineActor:
 
     async def shutdown(self):
         self.engine.shutdown()
+
+
+async def vllm_pause(engine, mode: str):
+    """Stop scheduling: "keep" freezes requests in place, "abort" ends them. Assumes vLLM 0.32: this is
+    AsyncLLM.pause_generation without its trailing 20 ms sleep (there only to order log lines), which every weight
+    update would otherwise pay; tokens are labelled per engine step, so ordering does not affect versions."""
+    await engine.engine_core.pause_scheduler_async(mode=mode, clear_cache=False)
 
 
 def _absorb(acc: dict, c):
@@ -948,13 +964,19 @@ def ray_init(cfg: Config):
         ray.init(num_cpus=max(32, 4 * (os.cpu_count() or 1)), **kw)
 
 
-def start_engines(cfg: Config, model_path: str) -> list:
+def launch_engines(cfg: Config, model_path: str, version: int = 0):
+    """Start the engine actors; returns (engines, refs that resolve once each engine is ready)."""
     import ray
-    cuda = _cuda()
-    actor = ray.remote(EngineActor).options(num_cpus=1, num_gpus=cfg.engine.tp_size if cuda else 0,
+    actor = ray.remote(EngineActor).options(num_cpus=1, num_gpus=cfg.engine.tp_size if _cuda() else 0,
                                             max_concurrency=100_000)
     engines = [actor.remote(cfg, model_path, i) for i in range(cfg.engine.num_engines)]
-    ray.get([e.start.remote() for e in engines], timeout=cfg.engine.startup_timeout)
+    return engines, [e.start.remote(version) for e in engines]
+
+
+def start_engines(cfg: Config, model_path: str, version: int = 0) -> list:
+    import ray
+    engines, ready = launch_engines(cfg, model_path, version)
+    ray.get(ready, timeout=cfg.engine.startup_timeout)
     return engines
 
 
@@ -965,8 +987,9 @@ def start_engines(cfg: Config, model_path: str) -> list:
 
 class Router:
     """All turns of a rollout go to the engine that served its first turn (its prefix is cached there); a new
-    rollout goes to the engine with the fewest of this pool's requests in flight. A dead engine's request is
-    retried on another engine; the failure is counted and logged, never dropped silently."""
+    rollout goes to the engine with the fewest of this pool's requests in flight. Identical text requests issued
+    together (the first turns of a prompt group) travel as one request with n samples: one prefill, one call. A dead
+    engine's request is retried on another engine; the failure is counted and logged, never dropped silently."""
 
     def __init__(self, engines: list):
         self.engines = list(engines)
@@ -974,6 +997,7 @@ class Router:
         self.sticky: dict[str, int] = {}
         self.dead: set[int] = set()
         self.failures = 0
+        self.forming: dict = {}
 
     def pick(self, key: str) -> int:
         i = self.sticky.get(key)
@@ -985,10 +1009,38 @@ class Router:
         return i
 
     async def generate(self, request: dict, key: str) -> dict:
+        if request.get("images") or request["sampling"].get("n", 1) != 1:
+            return await self.send(request, [key])
+        sig = (tuple(request["ids"]), json.dumps(request["sampling"], sort_keys=True))
+        if sig not in self.forming:  # collect the identical requests issued in this turn of the event loop
+            self.forming[sig] = ([], [])
+            asyncio.get_running_loop().call_soon(self.flush, sig, request)
+        keys, futures = self.forming[sig]
+        keys.append(key)
+        futures.append(asyncio.get_running_loop().create_future())
+        return await futures[-1]
+
+    def flush(self, sig, request: dict):
+        keys, futures = self.forming.pop(sig)
+
+        async def run():
+            try:
+                req = {**request, "sampling": {**request["sampling"], "n": len(keys)}}
+                out = await self.send(req, keys)
+                for f, c in zip(futures, out["completions"]):
+                    f.set_result({"completions": [c]})
+            except Exception as err:  # noqa: BLE001 - every waiting episode sees the failure
+                for f in futures:
+                    f.set_exception(err)
+        asyncio.ensure_future(run())
+
+    async def send(self, request: dict, keys: list[str]) -> dict:
         import ray
         while True:
-            i = self.pick(key)
-            self.inflight[i] += 1
+            i = self.pick(keys[0])
+            for k in keys[1:]:
+                self.sticky[k] = i
+            self.inflight[i] += len(keys)
             try:
                 return await self.engines[i].generate.remote(request)
             except ray.exceptions.RayActorError as err:
@@ -997,7 +1049,7 @@ class Router:
                 print(f"[router] engine {i} died ({type(err).__name__}); retrying its request on another engine",
                       file=sys.stderr)
             finally:
-                self.inflight[i] -= 1
+                self.inflight[i] -= len(keys)
 
     def forget(self, key: str):
         self.sticky.pop(key, None)
@@ -1417,7 +1469,7 @@ class AgentPool:
         self.cfg, self.model_name = cfg, "policy"
         self.runner = load_agent(agent_path) if agent_path else None
         self.tokenizer, self.processor = load_processing(model_path)
-        self.router, self.server = Router(engines), LoopbackServer(self)
+        self.router, self.server, self.text_ids = Router(engines), LoopbackServer(self), {}
         probe = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "\x00PROBE\x00"}],
                             generation=False)
         self.turn_suffix = probe.split("\x00PROBE\x00", 1)[1] if "\x00PROBE\x00" in probe else self.tokenizer.eos_token
@@ -1429,8 +1481,12 @@ class AgentPool:
             template_messages(messages), tools=tools or None, tokenize=False, add_generation_prompt=generation)
 
     def encode(self, text: str, images: list | None = None):
-        if not images:
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"], None
+        if not images:  # the n episodes of a group share their prompt: tokenize it once
+            if text not in self.text_ids:
+                if len(self.text_ids) > 4096:
+                    self.text_ids.clear()
+                self.text_ids[text] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return list(self.text_ids[text]), None
         if self.processor is None:
             raise ValueError("images were given but the model is text-only")
         out = self.processor(text=[text], images=images, return_tensors="pt")
@@ -1453,7 +1509,8 @@ class AgentPool:
         return self.closing(action_ids) + full[len(self.probe_base):]
 
     async def append_context(self, sample: Sample, text: str, images: list | None):
-        ids, mm = await asyncio.to_thread(self.encode, text, images)
+        # image processing can take a while: off the event loop; text tokenization is quicker than the hop
+        ids, mm = await asyncio.to_thread(self.encode, text, images) if images else self.encode(text)
         sample.extend(ids)
         sample.images += list(images or [])
         sample.n_images = len(sample.images)
@@ -1530,6 +1587,9 @@ class AgentPool:
         return pieces + ([self.decode(ids)[len(prev):]] if self.decode(ids) != prev else [])
 
     # -- episodes and groups ----------------------------------------------------------------------------------
+    def ready(self) -> bool:
+        return True
+
     async def run_group(self, row: dict, n: int, sampling: dict, group_id: str) -> dict:
         """n episodes of one prompt, concurrently. A failing episode costs itself (counted), never the group."""
         d = self.cfg.data
@@ -1562,6 +1622,170 @@ class AgentPool:
             self.router.forget(ep.rollout_id)
         failures[kind] = failures.get(kind, 0) + 1
         return []
+
+
+def load_rows(path: str, d: DataConfig) -> list[dict]:
+    """Prompt rows from .jsonl / .json / .parquet, a datasets.save_to_disk directory, or an HF dataset name."""
+    if path.endswith((".jsonl", ".json")) and os.path.isfile(path):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    else:
+        import datasets
+        if path.endswith(".parquet"):
+            ds = datasets.load_dataset("parquet", data_files=path, split="train")
+        elif os.path.isdir(path):
+            ds = datasets.load_from_disk(path)
+        else:
+            ds = datasets.load_dataset(path)
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds[d.split]
+        rows = list(ds)
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    missing = [i for i, r in enumerate(rows) if d.prompt_key not in r]
+    if missing:
+        raise ValueError(f"{path}: row {missing[0]} has no {d.prompt_key!r} field (set --data.prompt-key)")
+    return rows[:d.max_prompts] if d.max_prompts else rows
+
+
+def rollout_sampling(cfg: Config, evaluation=False) -> dict:
+    ro, ev = cfg.rollout, cfg.eval
+    return {"temperature": ev.temperature if evaluation else ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k,
+            "max_tokens": (ev.max_new_tokens or ro.max_new_tokens) if evaluation else ro.max_new_tokens}
+
+
+class RolloutManager:
+    """The streaming pool. Keeps up to rollout.groups_in_flight prompt groups running across the agent pools and
+    collects finished groups, after filtering, into a ready list the trainer takes batches from. With
+    train.async_queue_size = Q > 0 it runs ahead by up to Q batches while the trainer trains (engines never drain);
+    with Q = 0 it generates exactly one batch per request (synchronous, on-policy)."""
+
+    def __init__(self, cfg: Config, rows: list[dict], pools: list, state: dict | None = None):
+        self.cfg, self.rows, self.pools = cfg, rows, pools
+        state = state or {}
+        self.epoch, self.cursor = state.get("epoch", 0), state.get("cursor", 0)
+        self.pending = list(state.get("unfinished", []))  # prompts in flight or unused at the checkpoint: redo
+        self.order = self.shuffled(self.epoch)
+        self.ready, self.tasks, self.waiting, self.next_pool = [], {}, 0, 0
+        self.changed = asyncio.Event()
+        self.counts: dict[str, float] = {}
+        self.dead_pools, self.fatal = set(), None
+
+    def shuffled(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.cfg.data.shuffle:
+            random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next_prompt(self) -> int:
+        if self.pending:
+            return self.pending.pop(0)
+        if self.cursor == len(self.order):
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self.order = self.shuffled(self.epoch)
+        self.cursor += 1
+        return self.order[self.cursor - 1]
+
+    def wanted(self) -> bool:
+        ro, q = self.cfg.rollout, self.cfg.train.async_queue_size
+        if len(self.tasks) >= (ro.groups_in_flight or ro.batch_size):
+            return False
+        if q == 0:  # synchronous: exactly what the waiting trainer asked for, nothing ahead
+            return len(self.ready) + len(self.tasks) < self.waiting * ro.batch_size
+        return len(self.ready) < (q + self.waiting) * ro.batch_size
+
+    def fill(self):
+        while self.wanted() and self.fatal is None:
+            idx = self.next_prompt()
+            alive = [p for i, p in enumerate(self.pools) if i not in self.dead_pools]
+            pool = alive[self.next_pool % len(alive)]
+            self.next_pool += 1
+            ref = pool.run_group.remote(self.rows[idx], self.cfg.rollout.n_samples_per_prompt, rollout_sampling(self.cfg),
+                                        uuid.uuid4().hex)
+            task = asyncio.ensure_future(self.finish(idx, ref, self.pools.index(pool)))
+            self.tasks[task] = idx
+
+    async def finish(self, idx: int, ref, pool: int):
+        import ray
+        try:
+            group = self.keep(await ref)
+            if group is not None:
+                self.ready.append(group)
+        except ray.exceptions.RayActorError as err:  # the pool died: its prompt goes back in the queue
+            self.pending.append(idx)
+            self.dead_pools.add(pool)
+            print(f"[rollout] agent pool {pool} died: {err}", file=sys.stderr)
+            if len(self.dead_pools) == len(self.pools):
+                self.fatal = err
+        finally:
+            self.tasks.pop(asyncio.current_task(), None)
+            self.changed.set()
+            self.fill()
+
+    def count(self, key: str, n: float = 1):
+        self.counts[key] = self.counts.get(key, 0) + n
+
+    def keep(self, out: dict) -> list[Sample] | None:
+        """Drop what cannot be trained on, counted by reason; None drops the whole group."""
+        for kind, n in out["failures"].items():
+            self.count(f"rollout/failed/{kind}", n)
+        samples = [s for s in out["samples"] if any(s.mask)]
+        self.count("rollout/dropped/no_action_tokens", len(out["samples"]) - len(samples))
+        if not samples:
+            self.count("rollout/dropped/empty_group")
+            return None
+        lo_hi = self.cfg.algo.filter_range
+        if lo_hi:
+            scores = {s.rollout_id: s.score if s.score is not None else s.reward for s in samples}
+            if len(scores) < self.cfg.rollout.n_samples_per_prompt:
+                self.count("rollout/dropped/incomplete_group")
+                return None
+            if not lo_hi[0] < sum(scores.values()) / len(scores) < lo_hi[1]:
+                self.count("rollout/dropped/filtered")
+                return None
+        return samples
+
+    async def get_batch(self, version: int) -> dict:
+        """The next batch_size groups, none older than rollout.max_staleness versions behind `version`."""
+        ro = self.cfg.rollout
+        self.waiting += 1
+        self.fill()
+        while True:
+            fresh = [g for g in self.ready if version - min(oldest_version(s) for s in g) <= ro.max_staleness]
+            self.count("rollout/dropped/stale", len(self.ready) - len(fresh))
+            self.ready = fresh
+            if len(self.ready) >= ro.batch_size:
+                break
+            if self.fatal is not None:
+                raise RuntimeError(f"every agent pool died; the last error: {self.fatal}")
+            self.fill()
+            self.changed.clear()
+            await self.changed.wait()
+        self.waiting -= 1
+        batch, self.ready = self.ready[:ro.batch_size], self.ready[ro.batch_size:]
+        self.fill()
+        counts, self.counts = self.counts, {}
+        return {"samples": [s for g in batch for s in g], "counts": counts}
+
+    def state(self) -> dict:
+        """What a resume needs: the data cursor and the prompts dispatched but not yet trained on."""
+        unfinished = self.pending + list(self.tasks.values())
+        return {"epoch": self.epoch, "cursor": self.cursor, "unfinished": unfinished}
+
+    async def evaluate(self, rows: list[dict], n: int) -> dict:
+        """Every eval prompt once, n samples each, with the eval sampling settings: mean reward and pass@n."""
+        sem = asyncio.Semaphore(2 * (self.cfg.rollout.groups_in_flight or self.cfg.rollout.batch_size))
+
+        async def one(i, row):
+            async with sem:
+                pool = self.pools[i % len(self.pools)]
+                return (await pool.run_group.remote(row, n, rollout_sampling(self.cfg, True), uuid.uuid4().hex))
+        outs = await asyncio.gather(*[one(i, r) for i, r in enumerate(rows)])
+        rewards = [{s.rollout_id: s.reward for s in o["samples"]} for o in outs]
+        flat = [r for g in rewards for r in g.values()]
+        return {"eval/reward_mean": sum(flat) / max(1, len(flat)), f"eval/pass@{n}":
+                sum(max(g.values(), default=0) > 0 for g in rewards) / len(rewards),
+                "eval/failed": sum(sum(o["failures"].values()) for o in outs)}
 
 
 # ======================================================================================================
@@ -1882,9 +2106,10 @@ def build_automodel(path: str, vlm: bool, grad_checkpointing: bool):
     return cls.from_pretrained(path, distributed_setup=setup, dtype=torch.float32)
 
 
-def build_hf(path: str, role: str, vlm: bool, cuda: bool, grad_checkpointing: bool, actor: ActorConfig):
+def build_hf(path: str, role: str, vlm: bool, cuda: bool, grad_checkpointing: bool, actor: ActorConfig, world: int):
     """transformers + torch FSDP2: every decoder (and vision) block is a shard unit, then the root. fp32 master
-    weights; on CUDA the forward computes in bf16 with fp32 gradient reduction."""
+    weights; on CUDA the forward computes in bf16 with fp32 gradient reduction. One rank on CPU needs no sharding:
+    the model stays plain (FSDP's per-layer all-gathers would only cost time)."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForTokenClassification
@@ -1899,6 +2124,8 @@ def build_hf(path: str, role: str, vlm: bool, cuda: bool, grad_checkpointing: bo
         model = model.cuda()
     if grad_checkpointing and role != "ref":
         model.gradient_checkpointing_enable()
+    if world == 1 and not cuda:
+        return model
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
     blocks = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
@@ -1940,7 +2167,7 @@ class PolicyWorker:
             getattr(hf, "tie_word_embeddings", False)
         gc = self.cfg.train.grad_checkpointing
         self.model = build_automodel(self.path, vlm, gc) if use_automodel(self.cfg, self.role) and self.role != "ref" \
-            else build_hf(self.path, self.role, vlm, cuda, gc, self.cfg.actor)
+            else build_hf(self.path, self.role, vlm, cuda, gc, self.cfg.actor, self.world)
         self.model.train(self.role != "ref")
         if self.role == "ref":
             return
@@ -2054,7 +2281,7 @@ class PolicyWorker:
         return {"refs": refs, "bytes": total + size}
 
     # -- checkpoints -------------------------------------------------------------------------------------------
-    def save(self, out: str, extra: dict):
+    def save(self, out: str):
         """HF-format model directory (loadable as is by transformers and vLLM) + optimizer, scheduler and RNG."""
         import torch
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -2069,9 +2296,9 @@ class PolicyWorker:
                 if f.is_file() and not f.name.endswith((".safetensors", ".bin")) and f.name not in ("config.json",
                                                                                                    "model.safetensors.index.json"):
                     shutil.copy(f, out)
-            torch.save({"optim": optim, "sched": self.sched.state_dict(), **extra}, f"{out}/trainer_state.pt")
+            torch.save({"optim": optim, "sched": self.sched.state_dict()}, f"{out}/trainer_state.pt")
 
-    def load(self, ckpt: str) -> dict:
+    def load(self, ckpt: str):
         """Optimizer, scheduler and RNG from a checkpoint (the weights were loaded from it at setup)."""
         import torch
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -2083,7 +2310,6 @@ class PolicyWorker:
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["random"])
         np.random.set_state(rng["numpy"])
-        return {k: v for k, v in state.items() if k not in ("optim", "sched")}
 
 
 def checkpoint_names(model, tensors: dict, tied: bool) -> dict:
@@ -2279,34 +2505,37 @@ def routing_batch(rows: list[Sample], T: int, device):
 
 # ======================================================================================================
 # 11. Weight sync: trainer -> engines. Rank 0 gathers full tensors bucket by bucket into the Ray object store; every
-# engine pauses (requests kept), loads them in place, resets its prefix cache, takes the new version and resumes.
+# engine, in parallel, pauses (requests kept), loads them in place, resets its prefix cache, takes the new version
+# and resumes. Versions are exact per engine, so engines need not wait for each other, and the trainer need not
+# wait for them either unless the next batch must be on-policy.
 # ======================================================================================================
 
 
-def sync_weights(cfg: Config, policy: TrainerGroup, engines: list, version: int) -> dict:
-    import ray
+def sync_weights(cfg: Config, policy: TrainerGroup, engines: list, version: int) -> tuple[dict, list]:
+    """Export the policy's weights and start every engine's update; returns (metrics, update refs). The caller
+    may train on while the engines load (finish_sync waits), since queued batches do not need the new weights."""
     t0 = time.perf_counter()
     exported = policy.run("export_weights", cfg.train.sync_bucket_mb)[0]
-    buckets = exported["refs"]
-    t1 = time.perf_counter()
-    live = []
-    for e in engines:  # a dead engine must not stall the update of the living ones
+    refs = [e.update.remote(exported["refs"], version, cfg.train.check_weight_sync) for e in engines]
+    return {"time/weight_export": time.perf_counter() - t0, "sync/bytes": exported["bytes"]}, refs
+
+
+def finish_sync(cfg: Config, refs: list) -> dict:
+    """Wait for the engines' updates; a dead engine must not stall the update of the living ones."""
+    import ray
+    t0, results = time.perf_counter(), []
+    for ref in refs:
         try:
-            ray.get(e.pause.remote(), timeout=600)
-            live.append(e)
+            results.append(ray.get(ref, timeout=600))
         except ray.exceptions.RayActorError:
             print("[sync] skipping a dead engine", file=sys.stderr)
-    missing = ray.get([e.load_weights.remote(buckets, cfg.train.check_weight_sync) for e in live])
-    ray.get([e.resume.remote(version) for e in live])
-    stale = sorted({name for m in missing if m for name in m})
+    stale = sorted({name for r in results for name in r["missing"] or []})
     if stale:
         print(f"[sync] {len(stale)} engine parameters not reached by the update: {', '.join(stale[:10])}",
               file=sys.stderr)
-    out = {"time/weight_sync": time.perf_counter() - t0, "time/weight_export": t1 - t0,
-           "sync/bytes": exported["bytes"]}
-    if cfg.train.check_weight_sync:
-        out["sync/stale_params"] = len(stale)
-    return out
+    out = {"time/weight_load_wait": time.perf_counter() - t0,
+           "rollout/tokens_discarded": sum(r["tokens_discarded"] for r in results)}
+    return {**out, "sync/stale_params": len(stale)} if cfg.train.check_weight_sync else out
 
 
 # ======================================================================================================
@@ -2321,9 +2550,10 @@ def save_checkpoint(run_dir: str, step: int, groups: dict, extra: dict, keep: in
     final, tmp = root / f"step_{step:06d}", root / f".step_{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     (tmp / "critic").mkdir(parents=True)
-    groups["policy"].run("save", str(tmp), extra)
+    groups["policy"].run("save", str(tmp))
     if "critic" in groups:
-        groups["critic"].run("save", str(tmp / "critic"), {})
+        groups["critic"].run("save", str(tmp / "critic"))
+    (tmp / "molt_state.json").write_text(json.dumps(extra))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
@@ -2338,5 +2568,186 @@ def load_file_state(path: str) -> dict:
 
 
 def latest_checkpoint(run_dir: str) -> Path | None:
-    done = [p for p in sorted((Path(run_dir) / "checkpoints").glob("step_*")) if (p / "trainer_state.pt").exists()]
+    done = [p for p in sorted((Path(run_dir) / "checkpoints").glob("step_*")) if (p / "molt_state.json").exists()]
     return done[-1] if done else None
+
+
+class Logger:
+    """metrics.jsonl (one object per step), TensorBoard, W&B when --wandb-project is set, and a progress bar."""
+
+    def __init__(self, cfg: Config, run_dir: str, start_step: int):
+        from torch.utils.tensorboard import SummaryWriter
+        from tqdm import tqdm
+        self.file = open(Path(run_dir) / "metrics.jsonl", "a")
+        self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        self.wandb = None
+        if cfg.wandb_project:
+            import wandb
+            self.wandb = wandb.init(project=cfg.wandb_project, dir=run_dir, config=config_dict(cfg),
+                                    name=Path(run_dir).name, resume="allow")
+        self.bar = tqdm(total=cfg.steps, initial=start_step, desc="molt", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict):
+        metrics = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        for k, v in metrics.items():
+            self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        self.bar.update(step - self.bar.n)
+        self.bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
+                             tok_s=f"{metrics.get('tokens/generated', 0) / max(metrics.get('time/step', 1), 1e-9):.0f}",
+                             stale=metrics.get("rollout/staleness_max", 0))
+
+    def close(self):
+        self.bar.close()
+        self.tb.close()
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+class DistillEnv(Env):
+    """on_policy_distill without an agent: one turn on the prompt; the teacher's log-probs are the only signal."""
+
+    async def step(self, action: str) -> Result:
+        return Result(reward=0.0)
+
+
+def setup_run_dir(cfg: Config) -> str:
+    run_dir = cfg.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / "config.json").write_text(json.dumps(config_dict(cfg), indent=2))
+    return run_dir
+
+
+def check_same_tokenizer(student: str, teacher: str):
+    from transformers import AutoTokenizer
+    if AutoTokenizer.from_pretrained(student).get_vocab() != AutoTokenizer.from_pretrained(teacher).get_vocab():
+        raise ValueError(f"--ref.model {teacher} must share the policy's tokenizer: their vocabularies differ")
+
+
+def launch_pools(cfg: Config, model_path: str, engines: list) -> list:
+    import ray
+    actor = ray.remote(AgentPool).options(num_cpus=1, max_concurrency=100_000)
+    agent = cfg.agent
+    if not agent and cfg.algo.estimator == "on_policy_distill":
+        agent = str(Path(__file__).resolve())  # this file exports AgentRunner (the built-in distillation agent)
+    if not agent:
+        raise ValueError("--agent is required (a module exporting AgentRunner)")
+    return [actor.remote(cfg, agent, model_path, engines) for _ in range(cfg.rollout.agent_pools)]
+
+
+def step_metrics(samples: list[Sample], version: int) -> dict:
+    """What the batch looked like: rewards (each episode once), tokens, staleness and finish reasons."""
+    episodes = {s.rollout_id: s.reward for s in samples}
+    stale = [version - oldest_version(s) for s in samples]
+    return {"reward/mean": sum(episodes.values()) / len(episodes), "samples": len(samples),
+            "episodes": len(episodes), "tokens/generated": sum(sum(s.mask) for s in samples),
+            "tokens/total": sum(len(s.tokens) for s in samples), "rollout/staleness_max": max(stale),
+            "rollout/staleness_mean": sum(stale) / len(stale),
+            "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples)}
+
+
+def dump_samples(run_dir: str, step: int, samples: list[Sample]):
+    out = Path(run_dir) / "samples"
+    out.mkdir(exist_ok=True)
+    with open(out / f"step_{step:06d}.jsonl", "w") as f:
+        for s in samples:
+            f.write(json.dumps(s.to_json()) + "\n")
+
+
+def replayed_batches(directory: str):
+    for path in sorted(Path(directory).glob("step_*.jsonl")):
+        with open(path) as f:
+            yield {"samples": [Sample.from_json(json.loads(line)) for line in f], "counts": {}}
+
+
+def start(cfg: Config, run_dir: str):
+    """Engines, agent pools and trainers, started concurrently (each takes seconds to import and load)."""
+    import ray
+    model_path = resolve_model(cfg.model)
+    ckpt = latest_checkpoint(run_dir) if cfg.resume else None
+    state = json.loads((ckpt / "molt_state.json").read_text()) if ckpt else {}
+    policy_path, step = (str(ckpt) if ckpt else model_path), state.get("step", 0)
+    if cfg.ref.model:
+        check_same_tokenizer(model_path, resolve_model(cfg.ref.model))
+    engines, engines_ready = launch_engines(cfg, policy_path, step) if not cfg.replay_samples else ([], [])
+    pools = launch_pools(cfg, model_path, engines) if engines else []
+    total = cfg.steps * cfg.train.mini_batches * cfg.train.epochs
+    groups = {"policy": TrainerGroup(cfg, policy_path, "policy", total)}
+    if cfg.ref.model:
+        groups["ref"] = TrainerGroup(cfg, resolve_model(cfg.ref.model), "ref", 1)
+    if cfg.algo.estimator == "gae":
+        groups["critic"] = TrainerGroup(cfg, str(ckpt / "critic") if ckpt else model_path, "critic", total)
+    if ckpt:
+        for role in ("policy", "critic"):
+            if role in groups:
+                groups[role].run("load", str(ckpt / ("critic" if role == "critic" else "")))
+    ray.get([p.ready.remote() for p in pools])  # an agent module that fails to import fails the launch, clearly
+    ray.get(engines_ready, timeout=cfg.engine.startup_timeout)
+    manager = ray.remote(RolloutManager).remote(cfg, load_rows(cfg.data.path, cfg.data), pools,
+                                                state.get("rollout")) if engines else None
+    return step, engines, groups, manager, ckpt
+
+
+def main(argv=None):
+    import ray
+    cfg = parse_config(argv)
+    run_dir = setup_run_dir(cfg)
+    ray_init(cfg)
+    t_start = time.time()
+    step, engines, groups, manager, ckpt = start(cfg, run_dir)
+    replay = replayed_batches(cfg.replay_samples) if cfg.replay_samples else None
+    eval_rows = load_rows(cfg.data.eval_path, cfg.data) if cfg.data.eval_path and manager else None
+    print(f"[molt] {run_dir}: {'resumed at step ' + str(step) if ckpt else 'fresh run'}, "
+          f"start-up {time.time() - t_start:.1f}s", file=sys.stderr)
+    log, recent, updating, discarded = Logger(cfg, run_dir, step), [], [], 0
+    while step < cfg.steps:
+        t0 = time.perf_counter()
+        synced = finish_sync(cfg, updating) if updating and cfg.train.async_queue_size == 0 else {}
+        batch = next(replay, None) if replay else ray.get(manager.get_batch.remote(step))
+        if batch is None:
+            break
+        samples, t1 = batch["samples"], time.perf_counter()
+        metrics = {**step_metrics(samples, step), **batch["counts"], **learn(cfg, groups, samples), **synced}
+        t2 = time.perf_counter()
+        step += 1  # the policy is now version `step`; every token sampled from here on says so
+        if updating and not synced:
+            metrics.update(finish_sync(cfg, updating))  # the previous update, hidden behind this step's training
+        if engines:
+            sync, updating = sync_weights(cfg, groups["policy"], engines, step)
+            metrics.update(sync)
+        if cfg.dump_samples:
+            dump_samples(run_dir, step, samples)
+        if eval_rows and cfg.eval.every and step % cfg.eval.every == 0:
+            metrics.update(ray.get(manager.evaluate.remote(eval_rows, cfg.eval.n_samples)))
+        recent = (recent + [metrics["reward/mean"]])[-10:]
+        done = step == cfg.steps or (cfg.target_reward and len(recent) == 10 and
+                                     sum(recent) / 10 >= cfg.target_reward)
+        if done or (cfg.train.save_every and step % cfg.train.save_every == 0):
+            metrics.update(finish_sync(cfg, updating) if updating else {})  # engines match the checkpoint
+            updating = []
+            rollout_state = ray.get(manager.state.remote()) if manager else None
+            save_checkpoint(run_dir, step, groups, {"step": step, "rollout": rollout_state},
+                            cfg.train.keep_checkpoints)
+        discarded = metrics.setdefault("rollout/tokens_discarded", discarded)  # engines' running total
+        metrics.update({"policy_version": step, "time/rollout_wait": t1 - t0, "time/train": t2 - t1,
+                        "time/weight_sync": metrics.get("time/weight_export", 0) + metrics.get("time/weight_load_wait", 0),
+                        "time/step": time.perf_counter() - t0})
+        log.log(step, metrics)
+        if done:
+            break
+    log.close()
+    print(f"[molt] done: {step} steps in {time.time() - t_start:.0f}s; run directory {run_dir}", file=sys.stderr)
+
+
+AgentRunner = StepEnvRunner(DistillEnv)  # the built-in agent of on_policy_distill when no --agent is given
+
+if __name__ == "__main__":
+    # Run the file as the module `molt`, not as __main__: agents `import molt` and must get these very classes, and
+    # Ray pickles classes by module name, so its workers (whose PYTHONPATH holds this directory) import them too.
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import molt
+    molt.main()

@@ -104,9 +104,14 @@ def main(args):
         cfg.engine.kv_cache_gb = 0.25
         engines = molt.start_engines(cfg, path)
         group = molt.TrainerGroup(cfg, path, "policy", total_steps=100)
-        times = [molt.sync_weights(cfg, group, engines, v + 1) for v in range(4)]
+        times = []
+        for v in range(4):
+            t = time.perf_counter()
+            out, refs = molt.sync_weights(cfg, group, engines, v + 1)
+            out.update(molt.finish_sync(cfg, refs))
+            times.append({**out, "total": time.perf_counter() - t})
         mb = times[0]["sync/bytes"] / 2**20
-        total = statistics.median(t["time/weight_sync"] for t in times[1:])
+        total = statistics.median(t["total"] for t in times[1:])
         export = statistics.median(t["time/weight_export"] for t in times[1:])
         print(f"weight sync {mb:7.1f} MiB: {total * 1e3:7.1f} ms (gather + object store {export * 1e3:6.1f} ms, "
               f"engine pause/load/resume {(total - export) * 1e3:6.1f} ms)")

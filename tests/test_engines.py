@@ -56,10 +56,8 @@ def gen(engine, sampling, prompt=PROMPT):
     return run(engine.generate.remote({"ids": prompt, "sampling": sampling}))["completions"]
 
 
-def update(ray, engine, state, version):
-    ray.get(engine.pause.remote(), timeout=60)
-    ray.get(engine.load_weights.remote([ray.put(state)]), timeout=60)
-    ray.get(engine.resume.remote(version), timeout=60)
+def update(ray, engine, state, version, check=False):
+    return ray.get(engine.update.remote([ray.put(state)], version, check), timeout=120)
 
 
 @pytest.mark.parametrize("kind", ["tiny", "tiny-moe"])
@@ -89,9 +87,7 @@ def test_logprobs_align_and_match_transformers(engine, tiny):
 async def _long_requests_with_update(ray, engine, new_state, version):
     reqs = [engine.generate.remote({"ids": PROMPT[: 3 + i], "sampling": sampled(600)}) for i in range(3)]
     await asyncio.sleep(1.0)  # let them get going
-    await engine.pause.remote()
-    await engine.load_weights.remote([ray.put(new_state)])
-    await engine.resume.remote(version)
+    await engine.update.remote([ray.put(new_state)], version)
     return [(PROMPT[: 3 + i], (await r)["completions"][0]) for i, r in enumerate(reqs)]
 
 
@@ -142,14 +138,10 @@ def test_new_weights_change_outputs_and_reload_restores_them(request, ray_cluste
 
 def test_check_reports_parameters_a_sync_missed(ray_cluster, engine, tiny):
     state = checkpoint(tiny)
-    ray_cluster.get(engine.pause.remote())
-    try:
-        assert ray_cluster.get(engine.load_weights.remote([ray_cluster.put(state)], True)) == []
-        del state["model.layers.1.mlp.down_proj.weight"]
-        missing = ray_cluster.get(engine.load_weights.remote([ray_cluster.put(state)], True))
-    finally:
-        ray_cluster.get(engine.resume.remote(run(engine.stats.remote())["version"]))
-    assert missing == ["model.layers.1.mlp.down_proj.weight"]
+    version = run(engine.stats.remote())["version"]
+    assert update(ray_cluster, engine, state, version, check=True) == []
+    del state["model.layers.1.mlp.down_proj.weight"]
+    assert update(ray_cluster, engine, state, version, check=True) == ["model.layers.1.mlp.down_proj.weight"]
 
 
 @pytest.mark.parametrize("ids, sampling, images, message", [
