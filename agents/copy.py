@@ -11,7 +11,7 @@ from molt import Env, Result, StepEnvRunner
 DEFAULTS = {
     "model": "tiny",
     "data.path": os.path.join(os.path.dirname(__file__), "..", "examples", "copy.jsonl"),
-    "steps": 400,
+    "steps": 600,
     "rollout.n_samples_per_prompt": 8,
     "rollout.batch_size": 16,
     "rollout.max_new_tokens": 2,

@@ -38,7 +38,7 @@ def test_copy_task_learns_and_resumes(tmp_path, queue):
          "--dump-samples", "--train.save-every", 100)
     m = metrics(run)
     last = m[-1]["step"]
-    assert last < 400 and sum(r["reward/mean"] for r in m[-10:]) / 10 >= 0.9  # learned within the default budget
+    assert last < 600 and sum(r["reward/mean"] for r in m[-10:]) / 10 >= 0.9  # learned within the default budget
     assert all(k in m[-1] for k in REQUIRED)
     assert all(r["rollout/tokens_discarded"] == 0 for r in m if "rollout/tokens_discarded" in r)
     if queue == 0:
