@@ -131,6 +131,8 @@ class TrainConfig:
     grad_checkpointing: bool = _f(False, "activation checkpointing in the policy")
     check_weight_sync: bool = _f(False, "after each sync, name any engine parameter the sync did not reach")
     routing_replay: bool = _f(False, "MoE: replay the engine's expert choices in the training forward (CUDA only)")
+    routing_capture: bool = _f(False, "MoE: capture the engine's expert choices and report moe/routing_mismatch "
+                               "without replaying them (CUDA only)")
     sync_bucket_mb: int = _f(512, "weight-sync bucket size, MiB")
     save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = _f(2, "checkpoints kept (oldest deleted first)")
@@ -761,7 +763,8 @@ def engine_args(cfg: Config, model_path: str, index: int):
               enforce_eager=cfg.engine.enforce_eager, dtype=cfg.engine.dtype if cfg.engine.dtype != "auto" else
               ("bfloat16" if cuda else "float32"),
               logprobs_mode="processed_logprobs",  # after temperature: what the trainer recomputes
-              worker_extension_cls="molt.EngineWorker", enable_return_routed_experts=cfg.train.routing_replay)
+              worker_extension_cls="molt.EngineWorker",
+              enable_return_routed_experts=cfg.train.routing_replay or cfg.train.routing_capture)
     if cuda:
         kw["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
     else:
@@ -777,7 +780,7 @@ class EngineActor:
     def __init__(self, cfg: Config, model_path: str, index: int):
         from transformers import AutoConfig
         from vllm.v1.engine.async_llm import AsyncLLM
-        if cfg.train.routing_replay and not _cuda():
+        if (cfg.train.routing_replay or cfg.train.routing_capture) and not _cuda():
             raise RuntimeError(ROUTING_CPU_ERROR)
         self.cfg, self.index, self.version = cfg, index, 0
         hf = AutoConfig.from_pretrained(model_path)
@@ -1055,8 +1058,9 @@ class Router:
         self.sticky.pop(key, None)
 
 
-ROUTING_CPU_ERROR = ("--train.routing-replay needs the engines to capture routed experts, which vLLM does only with "
-                     "its V2 model runner and Triton, i.e. on CUDA; this engine runs on CPU. Drop the flag or use GPUs.")
+ROUTING_CPU_ERROR = ("--train.routing-replay / --train.routing-capture need the engines to capture routed experts, "
+                     "which vLLM does only with its V2 model runner and Triton, i.e. on CUDA; these engines would run "
+                     "on CPU. Drop the flag or use GPUs.")
 
 
 # ======================================================================================================
@@ -2106,7 +2110,8 @@ def build_automodel(path: str, vlm: bool, grad_checkpointing: bool):
     return cls.from_pretrained(path, distributed_setup=setup, dtype=torch.float32)
 
 
-def build_hf(path: str, role: str, vlm: bool, cuda: bool, grad_checkpointing: bool, actor: ActorConfig, world: int):
+def build_hf(path: str, role: str, vlm: bool, cuda: bool, grad_checkpointing: bool, actor: ActorConfig, world: int,
+             replay: bool):
     """transformers + torch FSDP2: every decoder (and vision) block is a shard unit, then the root. fp32 master
     weights; on CUDA the forward computes in bf16 with fp32 gradient reduction. One rank on CPU needs no sharding:
     the model stays plain (FSDP's per-layer all-gathers would only cost time)."""
@@ -2119,7 +2124,7 @@ def build_hf(path: str, role: str, vlm: bool, cuda: bool, grad_checkpointing: bo
         model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
     else:
         model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32)
-    prepare_moe(model, actor, role)
+    prepare_moe(model, actor, role, replay=replay)
     if cuda:
         model = model.cuda()
     if grad_checkpointing and role != "ref":
@@ -2167,7 +2172,7 @@ class PolicyWorker:
             getattr(hf, "tie_word_embeddings", False)
         gc = self.cfg.train.grad_checkpointing
         self.model = build_automodel(self.path, vlm, gc) if use_automodel(self.cfg, self.role) and self.role != "ref" \
-            else build_hf(self.path, self.role, vlm, cuda, gc, self.cfg.actor, self.world)
+            else build_hf(self.path, self.role, vlm, cuda, gc, self.cfg.actor, self.world, self.cfg.train.routing_replay)
         self.model.train(self.role != "ref")
         if self.role == "ref":
             return
@@ -2233,6 +2238,10 @@ class PolicyWorker:
                  "rollout/ratio_mean": ((torch.exp(old - mb["behaviour"]).clamp(max=1e4) * mask).sum(), n)}
         for key, val in st.items():
             stats[key] = ((val * mask).sum(), n)
+        mismatch = [r.molt_mismatch for r in getattr(self.model, "_molt_routers", []) if r.molt_mismatch is not None]
+        if mismatch:  # (token, layer) selections where the engine and this forward chose different experts
+            stats["moe/routing_mismatch"] = (sum(float(d.sum()) for d, _ in mismatch),
+                                             sum(float(v.sum()) for _, v in mismatch))
         return loss, stats
 
     def critic_loss(self, mb, n_tokens, n_seqs):
@@ -2455,7 +2464,7 @@ def router_forward(self, hidden_states):
     logits = F.linear(h.float(), self.weight.float()) if self.molt_fp32 else F.linear(h, self.weight)
     probs = logits.float().softmax(-1)
     top_v, top_i = torch.topk(probs, self.top_k, dim=-1)
-    self.molt_live = top_i.detach()
+    self.molt_live, self.molt_mismatch = top_i.detach(), None
     target = self.molt_target
     if target is not None:
         target = target.to(top_i.device)
@@ -2466,6 +2475,7 @@ def router_forward(self, hidden_states):
             top_v = probs.gather(-1, top_i)
     if getattr(self, "norm_topk_prob", True):
         top_v = top_v / top_v.sum(-1, keepdim=True)
+    self.molt_selected = top_i.detach()
     return logits.to(h.dtype), top_v.to(h.dtype), top_i
 
 
@@ -2478,6 +2488,7 @@ def prepare_moe(model, actor: ActorConfig, role: str, replay: bool = True) -> li
             match = re.search(r"layers\.(\d+)\.", name + ".")
             module.molt_layer = int(match.group(1)) if match else routers.index(module)
             module.molt_fp32, module.molt_replay, module.molt_target = actor.fp32_router, replay, None
+            module.molt_mismatch = None
             module.forward = types.MethodType(router_forward, module)
             if actor.freeze_moe_router and role != "ref":
                 module.weight.requires_grad_(False)
@@ -2673,6 +2684,8 @@ def start(cfg: Config, run_dir: str):
     policy_path, step = (str(ckpt) if ckpt else model_path), state.get("step", 0)
     if cfg.ref.model:
         check_same_tokenizer(model_path, resolve_model(cfg.ref.model))
+    if (cfg.train.routing_replay or cfg.train.routing_capture) and not ray.cluster_resources().get("GPU"):
+        raise RuntimeError(ROUTING_CPU_ERROR)
     engines, engines_ready = launch_engines(cfg, policy_path, step) if not cfg.replay_samples else ([], [])
     pools = launch_pools(cfg, model_path, engines) if engines else []
     total = cfg.steps * cfg.train.mini_batches * cfg.train.epochs

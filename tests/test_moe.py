@@ -1,0 +1,125 @@
+"""Section 10: MoE routing replay, fp32 router and router freeze on the tiny Qwen3-MoE (transformers' MoE blocks)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import molt
+from conftest import small_config
+from test_trainer import make_samples, weights
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def moe_model(path, replay=True):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    routers = molt.prepare_moe(model, molt.ActorConfig(), "policy", replay=replay)
+    assert len(routers) == 2 and [r.molt_layer for r in routers] == [0, 1]
+    return model, routers
+
+
+def batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 100, (2, 12), generator=g)
+    attn = torch.ones_like(ids)
+    attn[1, 9:] = 0  # the second row is padded
+    return ids, attn
+
+
+def logp_sum(model, ids, attn):
+    logits = model(input_ids=ids, attention_mask=attn).logits
+    return molt.token_logprobs(logits, ids, 1.0)[0][attn[:, 1:].bool()].sum()
+
+
+def recorded(routers, b, T):
+    """[b, T, layers, top_k] from each router's last live selection."""
+    return torch.stack([r.molt_live.view(b, T, -1) for r in routers], dim=2)
+
+
+def test_replay_reproduces_recorded_choices_and_keeps_router_gradients(tiny_moe):
+    model, routers = moe_model(tiny_moe)
+    ids, attn = batch()
+    molt.set_routing(model, None)
+    with torch.no_grad():
+        logp_sum(model, ids, attn)
+    record = recorded(routers, *ids.shape)
+    with torch.no_grad():  # perturb the routers so that their own choice changes
+        for r in routers:
+            r.weight.add_(torch.randn_like(r.weight) * 2.0)
+        free = logp_sum(model, ids, attn)
+    assert not torch.equal(recorded(routers, *ids.shape), record), "perturbation did not change the routing"
+    molt.set_routing(model, record)
+    replayed = logp_sum(model, ids, attn)
+    for r, layer in zip(routers, range(2)):
+        assert torch.equal(r.molt_selected, record[:, :, layer].reshape(-1, 2))  # every selection is the record
+    assert not torch.isclose(replayed, free)
+    replayed.backward()
+    assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in routers)
+
+
+def test_partial_routing_replays_exactly_the_recorded_positions_after_padding(tiny_moe):
+    model, routers = moe_model(tiny_moe)
+    ids, _ = batch()
+    T = ids.shape[1]
+    rows = []
+    for i, length in enumerate((12, 9)):  # two samples of different lengths: collate pads the second
+        s = molt.Sample(rollout_id=str(i))
+        s.extend(ids[i, :4].tolist())
+        s.extend(ids[i, 4:length].tolist(), [-1.0] * (length - 4), [0] * (length - 4))
+        routing = torch.randint(0, 4, (length, 2, 2))
+        routing[:, :, 1] = (routing[:, :, 0] + 1) % 4  # two distinct experts per token
+        routing[length // 2:] = -1  # the engine reported routing only for the first half (e.g. earlier turns)
+        s.routing = routing.numpy().astype("int16")
+        rows.append(s)
+    mb = molt.collate(rows, [0, 1], {}, torch.device("cpu"))
+    assert mb["routing"].shape == (2, T, 2, 2) and (mb["routing"][1, 9:] == -1).all()
+    with torch.no_grad():
+        molt.model_forward(model, mb, None)
+    for r in routers:
+        target = mb["routing"][:, :, r.molt_layer].reshape(-1, 2)
+        have = (target >= 0).all(-1)
+        assert have.sum() == 6 + 4
+        assert torch.equal(r.molt_selected[have], target[have])
+        assert torch.equal(r.molt_selected[~have], r.molt_live[~have])
+
+
+def test_fp32_router_computes_the_gate_in_fp32(tiny_moe):
+    model, routers = moe_model(tiny_moe)
+    model.to(torch.bfloat16)
+    ids, attn = batch()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=attn)
+    h = torch.randn(5, 64, dtype=torch.bfloat16)
+    logits, _, _ = routers[0].forward(h)
+    exact = torch.nn.functional.linear(h.float(), routers[0].weight.float())
+    assert torch.allclose(logits.float(), exact.to(torch.bfloat16).float())
+
+
+def test_frozen_router_stays_bit_identical_while_the_rest_trains(ray_cluster, tiny_moe):
+    cfg = small_config(**{"train.lr": 1e-2, "actor.freeze_moe_router": True, "train.micro_batch_size": 4})
+    group = molt.TrainerGroup(cfg, tiny_moe, "policy", total_steps=10)
+    before = weights(group)
+    for seed in (1, 2):
+        molt.learn(cfg, {"policy": group}, make_samples(seed=seed))
+    after = weights(group)
+    routers = [k for k in before if k.endswith("mlp.gate.weight")]
+    assert routers and all(torch.equal(before[k], after[k]) for k in routers)
+    others = [k for k in before if k not in routers]
+    assert all(not torch.equal(before[k], after[k]) for k in others if "norm" not in k)
+    for w in group.workers:
+        ray_cluster.kill(w)
+
+
+@pytest.mark.slow
+def test_moe_trains_through_the_full_loop_and_replay_fails_clearly_on_cpu(tmp_path):
+    run = tmp_path / "run"
+    base = [sys.executable, str(ROOT / "molt.py"), "--agent", "agents/copy.py", "--model", "tiny-moe", "--run-dir"]
+    ok = subprocess.run(base + [str(run), "--steps", "4"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert (run / "checkpoints" / "step_000004" / "model.safetensors").exists()
+    bad = subprocess.run(base + [str(tmp_path / "bad"), "--steps", "2", "--train.routing-replay"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "on CUDA" in bad.stderr and "routing-replay" in bad.stderr
