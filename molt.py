@@ -174,6 +174,14 @@ class RefConfig:
 
 
 @dataclass
+class JudgeConfig:
+    url: str = _f("", "OpenAI-compatible endpoint for LLM-as-judge rewards (default: the policy's own engines, "
+                  "through a loopback route whose calls are not recorded for training)")
+    model: str = _f("", "judge model name sent to that endpoint")
+    api_key_env: str = _f("OPENAI_API_KEY", "environment variable holding the judge endpoint's API key")
+
+
+@dataclass
 class ActorConfig:
     freeze_moe_router: bool = _f(False, "MoE: keep router weights out of the optimizer")
     fp32_router: bool = _f(True, "MoE: router matmul and softmax in fp32 in the trainer")
@@ -207,6 +215,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
@@ -261,7 +270,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     known, _ = pre.parse_known_args(argv)
     cfg = Config()
     if known.agent:
-        for key, value in getattr(_import_path(known.agent), "DEFAULTS", {}).items():
+        for key, value in getattr(import_path(known.agent), "DEFAULTS", {}).items():
             config_set(cfg, key, value)
     ns = build_parser(cfg).parse_args(argv)
     for dest, value in vars(ns).items():
@@ -577,6 +586,9 @@ class ChatContext:
     model_name: str
     session_id: str
     max_length: int
+    judge_url: str = ""  # an OpenAI endpoint for judging: not recorded, not trained on (JudgeConfig)
+    judge_model: str = ""
+    judge_api_key: str = ""
 
     def openai(self, **kw):
         """An AsyncOpenAI client for this session. Clients share one connection pool per event loop: building a
@@ -586,6 +598,10 @@ class ChatContext:
     def anthropic(self, **kw):
         """An AsyncAnthropic client for this session (shared connection pool, as openai())."""
         return _shared_client("anthropic").with_options(base_url=self.session_url, api_key=self.api_key, **kw)
+
+    def judge(self, **kw):
+        """An AsyncOpenAI client for the judge endpoint (its calls are never part of the trajectory)."""
+        return _shared_client("openai").with_options(base_url=self.judge_url, api_key=self.judge_api_key, **kw)
 
 
 _CLIENTS: dict = {}
@@ -705,11 +721,12 @@ def _is_number(v) -> bool:
 
 
 def as_messages(obs, images=None) -> list[dict]:
-    """An observation as chat messages; images ride on the first user message (or replace its <image> markers)."""
+    """An observation as chat messages; images ride on its first user or tool message (replacing <image> markers
+    in a string content, else placed before the text)."""
     msgs = [{"role": "user", "content": obs}] if isinstance(obs, str) else [dict(m) for m in obs]
     if not images:
         return msgs
-    user = next(m for m in msgs if m["role"] == "user")
+    user = next(m for m in msgs if m["role"] in ("user", "tool"))
     content = user["content"]
     if isinstance(content, str):
         chunks = content.split("<image>")
@@ -720,11 +737,15 @@ def as_messages(obs, images=None) -> list[dict]:
     return msgs
 
 
-def _import_path(path: str):
+def import_path(path: str):
+    """Import a Python file by path (agent modules, and the helpers they load from rewards/)."""
     if not path.endswith(".py") or not os.path.isfile(path):
-        raise FileNotFoundError(f"agent module {path!r} is not a .py file")
+        raise FileNotFoundError(f"{path!r} is not a .py file")
+    if Path(path).resolve() == Path(__file__).resolve():
+        return sys.modules[__name__]  # the built-in agent: this module itself, not a second copy of its classes
     spec = importlib.util.spec_from_file_location(f"molt_agent_{Path(path).stem}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # registered first, as import does: a @dataclass in the module needs it
     spec.loader.exec_module(module)
     return module
 
@@ -732,7 +753,7 @@ def _import_path(path: str):
 def load_agent(path: str) -> Runner:
     """Load an agent module by file path. It must export AgentRunner: a Runner instance, or a Runner subclass
     whose constructor takes no arguments."""
-    module = _import_path(path)
+    module = import_path(path)
     runner = getattr(module, "AgentRunner", None)
     if isinstance(runner, type) and issubclass(runner, Runner):
         runner = runner()
@@ -770,8 +791,21 @@ def engine_args(cfg: Config, model_path: str, index: int):
     else:
         kw["kv_cache_memory_bytes"] = int(cfg.engine.kv_cache_gb * 2**30)
     if hasattr(AutoConfig.from_pretrained(model_path), "vision_config"):
-        kw["limit_mm_per_prompt"] = {"image": 16}
+        # No prefix caching for a VLM on vllm 0.32: a request whose image lies in a cached prefix reaches the worker
+        # without its pixels (strip_covered_mm_data), and when a weight update preempts it the recompute needs them
+        # ("Expected number of multimodal embeddings ...: 1, but got 0") and the engine dies.
+        kw.update(limit_mm_per_prompt={"image": 16}, enable_prefix_caching=False)
     return AsyncEngineArgs(**kw)
+
+
+def media_tokens(hf_config) -> list[int]:
+    """Image/video placeholder and bracket ids of a VLM. The policy must never sample them: each placeholder stands for
+    pixels the training forward would not have. Engine and trainer both push their logits down by 100."""
+    keys = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return [getattr(hf_config, k) for k in keys if getattr(hf_config, k, None) is not None]
+
+
+MEDIA_BIAS = -100.0
 
 
 class EngineActor:
@@ -786,6 +820,7 @@ class EngineActor:
         hf = AutoConfig.from_pretrained(model_path)
         text = getattr(hf, "text_config", hf)
         self.vocab_size, self.image_token = text.vocab_size, getattr(hf, "image_token_id", None)
+        self.media_bias = {t: MEDIA_BIAS for t in media_tokens(hf)}
         self.engine = AsyncLLM.from_engine_args(engine_args(cfg, model_path, index))
         self.resumed = asyncio.Event()
         self.resumed.set()
@@ -823,6 +858,8 @@ class EngineActor:
         ids, images = list(req["ids"]), req.get("images") or None
         self.check_request(ids, images)
         params = dict(req.get("sampling", {}))
+        if self.media_bias:
+            params["logit_bias"] = {**self.media_bias, **(params.get("logit_bias") or {})}
         if isinstance(params.get("structured_outputs"), dict):  # e.g. {"regex": ...} or {"json": schema}
             from vllm.sampling_params import StructuredOutputsParams
             params["structured_outputs"] = StructuredOutputsParams(**params["structured_outputs"])
@@ -832,11 +869,16 @@ class EngineActor:
         while True:
             await self.resumed.wait()
             completions: dict[int, dict] = {}
-            async for out in self.engine.generate(self.engine_prompt(ids, images), params, request_id=uuid.uuid4().hex):
-                prompt_ids = out.prompt_token_ids
-                for c in out.outputs:  # deltas; with n > 1 each child streams on its own index
-                    _absorb(completions.setdefault(c.index, {"ids": [], "logprobs": [], "versions": [],
-                                                             "finish_reason": None, "routing": None}), c)
+            try:
+                async for out in self.engine.generate(self.engine_prompt(ids, images), params,
+                                                      request_id=uuid.uuid4().hex):
+                    prompt_ids = out.prompt_token_ids
+                    for c in out.outputs:  # deltas; with n > 1 each child streams on its own index
+                        _absorb(completions.setdefault(c.index, {"ids": [], "logprobs": [], "versions": [],
+                                                                 "finish_reason": None, "routing": None}), c)
+            except Exception as err:
+                _exit_if_engine_dead(err)
+                raise
             if self.aborting and any(c["finish_reason"] == "abort" for c in completions.values()):
                 self.tokens_discarded += sum(len(c["ids"]) for c in completions.values())  # abort-and-restart mode
                 continue
@@ -874,8 +916,11 @@ class EngineActor:
 
     async def resume(self, version: int):
         # Running requests are preempted so their KV is recomputed under the new weights (their tokens are kept),
-        # and no later request can reuse a prefix cached by the old weights.
+        # and no later request can reuse a prefix cached by the old weights. Image embeddings are dropped on both
+        # sides too (scheduler and worker): kept, they are stale, and vllm 0.32 otherwise misses its encoder cache
+        # for a preempted image request ("Encoder cache miss") and kills the engine.
         await self.engine.reset_prefix_cache(reset_running_requests=True)
+        await self.engine.reset_encoder_cache()
         self.version = version
         await self.engine.engine_core.call_utility_async("set_weight_version", str(version))
         await self.engine.resume_generation()
@@ -894,6 +939,15 @@ async def vllm_pause(engine, mode: str):
     AsyncLLM.pause_generation without its trailing 20 ms sleep (there only to order log lines), which every weight
     update would otherwise pay; tokens are labelled per engine step, so ordering does not affect versions."""
     await engine.engine_core.pause_scheduler_async(mode=mode, clear_cache=False)
+
+
+def _exit_if_engine_dead(err: Exception):
+    """vLLM's engine core died (its traceback is in the log above): this actor can never serve again, so it exits,
+    and the router retries the rollouts on the other engines, or the run stops when none is left."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+    if isinstance(err, EngineDeadError):
+        print("[engine] vLLM's engine core died; exiting this engine actor", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def _absorb(acc: dict, c):
@@ -1012,47 +1066,51 @@ class Router:
         return i
 
     async def generate(self, request: dict, key: str) -> dict:
-        if request.get("images") or request["sampling"].get("n", 1) != 1:
-            return await self.send(request, [key])
-        sig = (tuple(request["ids"]), json.dumps(request["sampling"], sort_keys=True))
+        solo = request.get("images") or request["sampling"].get("n", 1) != 1
+        sig = object() if solo else (tuple(request["ids"]), json.dumps(request["sampling"], sort_keys=True))
         if sig not in self.forming:  # collect the identical requests issued in this turn of the event loop
-            self.forming[sig] = ([], [])
+            self.forming[sig] = ([], [], self.pick(key))
             asyncio.get_running_loop().call_soon(self.flush, sig, request)
-        keys, futures = self.forming[sig]
+        keys, futures, i = self.forming[sig]
+        self.sticky[key] = i
+        self.inflight[i] += 1  # counted now, so rollouts that start in the same instant spread over the engines
         keys.append(key)
         futures.append(asyncio.get_running_loop().create_future())
         return await futures[-1]
 
     def flush(self, sig, request: dict):
-        keys, futures = self.forming.pop(sig)
+        keys, futures, i = self.forming.pop(sig)
 
         async def run():
             try:
-                req = {**request, "sampling": {**request["sampling"], "n": len(keys)}}
-                out = await self.send(req, keys)
-                for f, c in zip(futures, out["completions"]):
-                    f.set_result({"completions": [c]})
+                n = len(keys)
+                out = await self.send(request if n == 1 else {**request, "sampling": {**request["sampling"], "n": n}},
+                                      keys, i)
+                for f, c in zip(futures, [out] if n == 1 else [{"completions": [c]} for c in out["completions"]]):
+                    f.set_result(c)
             except Exception as err:  # noqa: BLE001 - every waiting episode sees the failure
                 for f in futures:
                     f.set_exception(err)
         asyncio.ensure_future(run())
 
-    async def send(self, request: dict, keys: list[str]) -> dict:
+    async def send(self, request: dict, keys: list[str], i: int) -> dict:
         import ray
-        while True:
-            i = self.pick(keys[0])
-            for k in keys[1:]:
-                self.sticky[k] = i
-            self.inflight[i] += len(keys)
-            try:
-                return await self.engines[i].generate.remote(request)
-            except ray.exceptions.RayActorError as err:
-                self.dead.add(i)
-                self.failures += 1
-                print(f"[router] engine {i} died ({type(err).__name__}); retrying its request on another engine",
-                      file=sys.stderr)
-            finally:
-                self.inflight[i] -= len(keys)
+        try:
+            while True:
+                try:
+                    return await self.engines[i].generate.remote(request)
+                except ray.exceptions.RayActorError as err:
+                    self.dead.add(i)
+                    self.failures += 1
+                    print(f"[router] engine {i} died ({type(err).__name__}); retrying its request on another engine",
+                          file=sys.stderr)
+                    self.inflight[i] -= len(keys)
+                    i = self.pick(keys[0])
+                    self.inflight[i] += len(keys)
+                    for k in keys:
+                        self.sticky[k] = i
+        finally:
+            self.inflight[i] -= len(keys)
 
     def forget(self, key: str):
         self.sticky.pop(key, None)
@@ -1267,6 +1325,7 @@ class LoopbackServer:
     def __init__(self, pool):
         self.pool, self.sessions, self.port, self._runner = pool, {}, None, None
         self._starting = asyncio.Lock()
+        self.key = "sk-molt-" + secrets.token_hex(16)  # for the unrecorded route (judges, helpers)
 
     async def start(self):
         from aiohttp import web
@@ -1275,6 +1334,7 @@ class LoopbackServer:
                 return
             app = web.Application(client_max_size=256 << 20)
             app.router.add_post("/s/{sid}/v1/{endpoint:chat/completions|messages}", self.handle)
+            app.router.add_post("/v1/{endpoint:chat/completions|messages}", self.handle)  # unrecorded
             app.router.add_get("/s/{sid}/v1/models", self.models)
             runner = web.AppRunner(app, access_log=None)
             await runner.setup()
@@ -1289,18 +1349,24 @@ class LoopbackServer:
         user = [m for m in messages if m["role"] == "user"]
         last = user[-1]["content"] if user else ""
         text = last if isinstance(last, str) else "".join(p.get("text", "") for p in last if p.get("type") == "text")
-        root = f"http://127.0.0.1:{self.port}/s/{sid}"
+        root, judge = f"http://127.0.0.1:{self.port}/s/{sid}", self.pool.cfg.judge
         return ChatContext(messages=messages, prompt=text, label=ep.label, images=list(ep.images), tools=ep.tools,
                            sampling_params=dict(ep.sampling), base_url=root + "/v1", session_url=root,
                            api_key=self.sessions[sid].key, model_name=self.pool.model_name, session_id=sid,
-                           max_length=self.pool.cfg.data.max_len)
+                           max_length=self.pool.cfg.data.max_len,
+                           judge_url=judge.url or f"http://127.0.0.1:{self.port}/v1",
+                           judge_model=judge.model or self.pool.model_name,
+                           judge_api_key=os.environ.get(judge.api_key_env, "") if judge.url else self.key)
 
     def close(self, sid: str) -> list[Sample]:
         s = self.sessions.pop(sid)
         return [seg for seg in s.segments if any(seg.mask)]
 
     def authorize(self, request) -> Session:
-        s = self.sessions.get(request.match_info["sid"])
+        """The request's session; without a session id in the path, a throwaway session (nothing is recorded)."""
+        sid = request.match_info.get("sid")
+        s = self.sessions.get(sid) if sid else Session(ep=Episode(None, None, [], None, {}, "", uuid.uuid4().hex),
+                                                        key=self.key)
         if s is None:
             raise WireError(404, "unknown or closed session", "not_found_error")
         auth = request.headers.get("Authorization", "")
@@ -1605,6 +1671,8 @@ class AgentPool:
                        rollout_id=uuid.uuid4().hex) for _ in range(n)]
         failures: dict[str, int] = {}
         results = await asyncio.gather(*[self.run_episode(ep, failures) for ep in eps])
+        if len(self.router.dead) == len(self.router.engines):
+            raise RuntimeError("every engine this pool routes to is dead (see the engine logs above)")
         samples = [s for r in results for s in r]
         for s in samples:
             s.images = []  # the trainer needs the processor tensors in s.mm, not the PIL images
@@ -1721,6 +1789,8 @@ class RolloutManager:
             print(f"[rollout] agent pool {pool} died: {err}", file=sys.stderr)
             if len(self.dead_pools) == len(self.pools):
                 self.fatal = err
+        except Exception as err:  # noqa: BLE001 - a pool that raises (no engine left, a bug) stops the run
+            self.fatal = err
         finally:
             self.tasks.pop(asyncio.current_task(), None)
             self.changed.set()
@@ -1761,7 +1831,7 @@ class RolloutManager:
             if len(self.ready) >= ro.batch_size:
                 break
             if self.fatal is not None:
-                raise RuntimeError(f"every agent pool died; the last error: {self.fatal}")
+                raise RuntimeError(f"rollout stopped: {self.fatal}")
             self.fill()
             self.changed.clear()
             await self.changed.wait()
@@ -2076,9 +2146,13 @@ def model_forward(model, mb: dict, image_token: int | None):
     return model(input_ids=mb["ids"], attention_mask=mb["attn"], use_cache=False, **kw).logits
 
 
-def token_logprobs(logits, ids, temperature: float, with_entropy=False):
-    """log p(ids[t + 1] | ids[:t + 1]) at the sampling temperature, in fp32: [b, T - 1] (+ entropy [b, T - 1])."""
-    logp = (logits[:, :-1].float() / temperature).log_softmax(-1)
+def token_logprobs(logits, ids, temperature: float, with_entropy=False, media: list[int] = ()):
+    """log p(ids[t + 1] | ids[:t + 1]) at the sampling temperature, in fp32: [b, T - 1] (+ entropy [b, T - 1]).
+    Media placeholder ids get the engine's logit bias first, so both sides sample from the same distribution."""
+    logits = logits[:, :-1].float()
+    if media:
+        logits[..., list(media)] += MEDIA_BIAS
+    logp = (logits / temperature).log_softmax(-1)
     lp = logp.gather(-1, ids[:, 1:, None])[..., 0]
     return (lp, -(logp.exp() * logp).sum(-1)) if with_entropy else (lp, None)
 
@@ -2167,7 +2241,7 @@ class PolicyWorker:
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         hf = AutoConfig.from_pretrained(self.path)
         vlm = hasattr(hf, "vision_config")
-        self.image_token = getattr(hf, "image_token_id", None)
+        self.image_token, self.media = getattr(hf, "image_token_id", None), media_tokens(hf)
         self.tied = getattr(getattr(hf, "text_config", hf), "tie_word_embeddings", False) or \
             getattr(hf, "tie_word_embeddings", False)
         gc = self.cfg.train.grad_checkpointing
@@ -2195,7 +2269,7 @@ class PolicyWorker:
                     mb = collate(samples, idx, {}, self.device)
                     logits = model_forward(self.model, mb, self.image_token)
                     vals = logits[:, :-1, 0].float() if self.role == "critic" else \
-                        token_logprobs(logits, mb["ids"], self.cfg.rollout.temperature)[0]
+                        token_logprobs(logits, mb["ids"], self.cfg.rollout.temperature, media=self.media)[0]
                     for j, i in enumerate(idx):
                         if i >= 0:
                             out[i] = vals[j, :len(samples[i].tokens) - 1].cpu().numpy()
@@ -2226,7 +2300,7 @@ class PolicyWorker:
     def policy_loss(self, mb, n_tokens, n_seqs):
         import torch
         logits = model_forward(self.model, mb, self.image_token)
-        logp, entropy = token_logprobs(logits, mb["ids"], self.cfg.rollout.temperature, with_entropy=True)
+        logp, entropy = token_logprobs(logits, mb["ids"], self.cfg.rollout.temperature, True, self.media)
         mask = mb["mask"]
         old = mb["old"] if "old" in mb else logp.detach()
         loss_tok, st = policy_loss(self.cfg.algo, logp, old, mb["behaviour"], mb["adv"], mask, mb.get("ref"),

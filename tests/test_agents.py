@@ -91,13 +91,6 @@ class Picture(molt.Env):
                            terminated=self.turn == 2, reward=1.0)
 
 
-@pytest.fixture(scope="module")
-def vl_engine(ray_cluster, tiny_vl):
-    e = molt.start_engines(small_config(), tiny_vl)[0]
-    yield e
-    ray_cluster.kill(e)
-
-
 def test_env_carries_images_of_first_and_later_observations(vl_engine, tiny_vl):
     async def main():
         pool = make_pool(vl_engine, tiny_vl)

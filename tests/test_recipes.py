@@ -1,0 +1,181 @@
+"""Recipes: the Python sandbox, each agent module through the real pool / server / engine and a training step,
+geo3k's tool turns with images, LLM-as-judge failures, on-policy distillation, launch material."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import molt
+from conftest import run, small_config
+from test_trainer import make_samples
+
+ROOT = Path(__file__).resolve().parent.parent
+sandbox = molt.import_path(str(ROOT / "rewards" / "sandbox.py"))
+code_agent = molt.import_path(str(ROOT / "agents" / "code.py"))
+judge_agent = molt.import_path(str(ROOT / "agents" / "judge.py"))
+
+
+@pytest.mark.parametrize("code, expect", [
+    ("while True: pass", "timed out"),
+    ("x = bytearray(8 << 30)\nprint(len(x))", "MemoryError"),
+    ("import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=2)\nprint('connected')", "not allowed"),
+    ("open('/tmp/molt-sandbox-escape.txt', 'w').write('x')", "not allowed"),
+    ("import os\nwhile True:\n    os.fork()", "not allowed"),
+    ("import subprocess\nsubprocess.run(['ls', '/'])", "not allowed"),
+])
+def test_sandbox_contains_bad_code(code, expect):
+    out = sandbox.run_python(code, timeout=3)
+    assert isinstance(out, str) and expect in out, out
+    assert not os.path.exists("/tmp/molt-sandbox-escape.txt")
+
+
+def test_sandbox_runs_code_in_a_private_directory_and_truncates():
+    assert sandbox.run_python("print(6 * 7)") == "42\n"
+    out, images = sandbox.run_python("from PIL import Image\nImage.new('RGB', (8, 8)).save('p.png')\n"
+                                     "open('f.txt', 'w').write('kept inside')\nprint(open('f.txt').read())",
+                                     with_images=True)
+    assert out == "kept inside\n" and len(images) == 1 and images[0].size == (8, 8)
+    assert "more characters truncated" in sandbox.run_python("print('x' * 100000)")
+    assert sandbox.run_python("") == "Error: no code to run."
+
+
+@pytest.mark.parametrize("code, reward", [
+    ("def add(a, b):\n    return a + b", 1.0),
+    ("def add(a, b):\n    return 3", 1 / 3),
+    ("def add(a, b):\n    raise SystemExit(0)", 0.0),
+    ("import os\nos._exit(0)", 0.0),
+    ("def add(a, b):\n    while True: pass", 0.0),
+])
+def test_code_reward_is_the_fraction_of_passing_tests(code, reward):
+    tests = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(10, 5) == 15"]
+    assert code_agent.pass_fraction(code_agent.extract_code(f"Here:\n```python\n{code}\n```"), tests) == \
+        pytest.approx(reward)
+
+
+@pytest.mark.parametrize("text, score", [("Score: 7", 0.7), ("score = 10/10", 1.0), ("**Score:** 3", 0.3),
+                                         ("Score: 7 ... final Score: 2", 0.2), ("Score: 11", None), ("great!", None),
+                                         ("", None), (None, None)])
+def test_judge_score_parsing(text, score):
+    assert judge_agent.parse_score(text) == score
+
+
+def run_agent(engine, path, agent, row, n=2, **overrides):
+    async def main():
+        pool = molt.AgentPool(small_config(**overrides), str(ROOT / agent), path, [engine])
+        await pool.server.start()
+        out = await pool.run_group(row, n, {"temperature": 1.0, "max_tokens": 48}, uuid.uuid4().hex)
+        await pool.server._runner.cleanup()
+        return out
+    return run(main())
+
+
+ROWS = {"agents/math.py": {"prompt": "What is 2 + 3?", "label": "5"},
+        "agents/chat_minimal.py": {"prompt": "What is 2 + 3?", "label": "5"},
+        "agents/code.py": {"prompt": "Write add(a, b).", "label": {"tests": ["assert add(1, 2) == 3"]}},
+        "agents/judge.py": {"prompt": "What is 2 + 3?", "label": "5"}}
+
+
+@pytest.mark.parametrize("agent", sorted(ROWS))
+def test_agent_episodes_feed_a_training_step(engine, tiny, tiny_trainer, agent):
+    out = run_agent(engine, tiny, agent, ROWS[agent])
+    assert out["failures"] == {} and len(out["samples"]) == 2
+    assert all(any(s.mask) and len(set(s.rollout_id for s in out["samples"])) == 2 for s in out["samples"])
+    cfg, trainer = tiny_trainer
+    metrics = molt.learn(cfg, {"policy": trainer}, out["samples"] + make_samples(1, 2))
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+
+
+def test_judge_failures_are_counted_and_not_rewarded(engine, tiny):
+    garbled = run_agent(engine, tiny, "agents/judge.py", ROWS["agents/judge.py"])  # a random judge: no score
+    down = run_agent(engine, tiny, "agents/judge.py", ROWS["agents/judge.py"], **{"judge.url": "http://127.0.0.1:9/v1"})
+    for out in (garbled, down):
+        assert out["failures"] == {}  # a judge failure costs the reward, not the episode
+        assert all(s.info["judge/failed"] == 1.0 and s.reward == 0.0 for s in out["samples"])
+
+
+PLOT = "from PIL import Image; Image.new('RGB', (56, 56)).save('plot.png'); print(6 * 7)"
+FORCE_TOOL = {"regex": r'<tool_call>\{"name": "python", "arguments": \{"code": "' +
+              PLOT.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.").replace("*", r"\*") + r'"\}\}</tool_call>'}
+
+
+def geo3k_row():
+    return json.loads(open(ROOT / "examples" / "geo3k_tiny.jsonl").readline())
+
+
+@pytest.mark.parametrize("agent", ["agents/geo3k.py", "agents/chat_geo3k.py"])
+def test_geo3k_tool_turns_carry_images_and_mask_tool_output(vl_engine, tiny_vl, agent):
+    async def main():
+        pool = molt.AgentPool(small_config(**{"data.max_len": 2048, "rollout.max_turns": 3}), str(ROOT / agent),
+                              tiny_vl, [vl_engine])
+        await pool.server.start()
+        out = await pool.run_group(geo3k_row(), 1, {"temperature": 1.0, "max_tokens": 160,
+                                                    "structured_outputs": FORCE_TOOL}, "g")
+        await pool.server._runner.cleanup()
+        return pool, out
+    pool, out = run(main())
+    assert out["failures"] == {}
+    [s] = out["samples"]
+    assert s.info["geo3k/tool_calls"] >= 2  # every turn was a (forced) tool call
+    assert s.n_images >= 3  # the diagram plus the plot of each tool run
+    context = pool.tokenizer.decode([t for t, m in zip(s.tokens, s.mask) if not m])
+    responses = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", context, re.S)
+    assert len(responses) >= 2 and all("42\n" in r and "<|image_pad|>" in r for r in responses)  # output + plot
+    assert "<tool_response>" not in pool.tokenizer.decode([t for t, m in zip(s.tokens, s.mask) if m])
+
+
+@pytest.mark.slow
+def test_geo3k_runs_end_to_end(tmp_path):
+    run_dir = tmp_path / "geo3k"
+    proc = subprocess.run([sys.executable, str(ROOT / "molt.py"), "--agent", "agents/geo3k.py", "--run-dir", run_dir,
+                           "--steps", "2", "--dump-samples", "--rollout.max-new-tokens", "32"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    samples = [json.loads(line) for line in open(run_dir / "samples" / "step_000002.jsonl")]
+    assert samples and all(s["n_images"] >= 1 for s in samples)
+    assert (run_dir / "checkpoints" / "step_000002" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_on_policy_distillation_brings_the_student_to_the_teacher(tmp_path, tiny):
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny, teacher)
+    state = molt.load_file_state(tiny)
+    g = torch.Generator().manual_seed(3)
+    from safetensors.torch import save_file
+    save_file({k: v + 0.1 * torch.randn(v.shape, generator=g) for k, v in state.items()},
+              teacher / "model.safetensors")
+    run_dir = tmp_path / "distill"
+    proc = subprocess.run([sys.executable, str(ROOT / "molt.py"), "--algo.estimator", "on_policy_distill",
+                           "--ref.model", teacher, "--data", "examples/math_tiny.jsonl", "--run-dir", run_dir,
+                           "--steps", "24", "--train.lr", "3e-3", "--rollout.n-samples-per-prompt", "4",
+                           "--rollout.batch-size", "64", "--rollout.max-new-tokens", "32", "--data.max-len", "256"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kl = [json.loads(line)["kl/ref"] for line in open(run_dir / "metrics.jsonl")]
+    # 2,048 sampled tokens a step: fewer leave the per-token KL estimate too noisy to move a random-init student
+    assert sum(kl[-3:]) / 3 < 0.8 * sum(kl[:3]) / 3, kl  # measured: 0.32 -> 0.21 (0.66x) over 24 steps
+
+
+def test_teacher_must_share_the_tokenizer(tiny, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(tiny, other)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    tok["model"]["vocab"]["zz"] = max(tok["model"]["vocab"].values()) + 1
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="must share the policy's tokenizer"):
+        molt.check_same_tokenizer(tiny, str(other))
+
+
+def test_launch_material_parses():
+    for script in [*ROOT.glob("scripts/*.sh"), *ROOT.glob("scripts/slurm/*.sh")]:
+        assert subprocess.run(["bash", "-n", str(script)]).returncode == 0, script
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    proc = subprocess.run([hadolint, str(ROOT / "Dockerfile")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
