@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -604,22 +605,28 @@ class ChatContext:
         return _shared_client("openai").with_options(base_url=self.judge_url, api_key=self.judge_api_key, **kw)
 
 
-_CLIENTS: dict = {}
+_CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> {kind: client bound to it}
 
 
 def _shared_client(kind: str):
-    key = (kind, id(asyncio.get_running_loop()))
-    if key not in _CLIENTS:
+    clients = _CLIENTS.setdefault(asyncio.get_running_loop(), {})
+    if kind not in clients:
         # aiohttp transport: at hundreds of concurrent episodes httpx's pool bookkeeping costs more than the turn
         if kind == "openai":
             from openai import AsyncOpenAI, DefaultAioHttpClient
-            _CLIENTS[key] = AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0, timeout=3600,
+            clients[kind] = AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0, timeout=3600,
                                         http_client=DefaultAioHttpClient())
         else:
             from anthropic import AsyncAnthropic, DefaultAioHttpClient
-            _CLIENTS[key] = AsyncAnthropic(base_url="http://127.0.0.1", api_key="-", max_retries=0, timeout=3600,
+            clients[kind] = AsyncAnthropic(base_url="http://127.0.0.1", api_key="-", max_retries=0, timeout=3600,
                                            http_client=DefaultAioHttpClient())
-    return _CLIENTS[key]
+    return clients[kind]
+
+
+async def close_clients():
+    """Close the shared SDK clients of the running event loop (for code that runs many loops, like tests)."""
+    for client in _CLIENTS.pop(asyncio.get_running_loop(), {}).values():
+        await client.close()
 
 
 class ChatAgent:

@@ -11,7 +11,10 @@ import molt  # noqa: E402
 def run(awaitable):
     """Await a coroutine or a Ray ObjectRef from a sync test."""
     async def main():
-        return await awaitable
+        try:
+            return await awaitable
+        finally:
+            await molt.close_clients()  # the SDK clients ctx.openai() shares are bound to this loop
     return asyncio.run(main())
 
 
