@@ -1,6 +1,6 @@
 """Rollout throughput: Molt's router + engine actors vs a raw vLLM AsyncLLM with the same settings, one run.
 
-    .venv/bin/python scripts/bench_rollout.py [--model tiny] [--prompts 256] [--tokens 64] [--rounds 3]
+    .venv/bin/python scripts/bench_rollout.py [--model tiny] [--prompts 256] [--tokens 64] [--rounds 6]
 
 Both sides get the same batch (random prompts, ignore EOS, temperature 1) and alternate, so machine noise hits both;
 prints tokens/s of each, the ratio (goal >= 0.95), and the pause -> load -> resume latency of a weight update.
@@ -66,12 +66,15 @@ async def main(args):
     await molt_round(router, prompts[:16], sampling)  # warm-up both
     await raw_round(raw, prompts[:16], sampling)
     ours, theirs = [], []
-    for r in range(args.rounds):
-        ours.append(await molt_round(router, prompts, sampling))
-        theirs.append(await raw_round(raw, prompts, sampling))
-        print(f"round {r}: molt {ours[-1]:8.0f} tok/s   raw vLLM {theirs[-1]:8.0f} tok/s")
-    m, v = statistics.median(ours), statistics.median(theirs)
-    print(f"median: molt {m:.0f} tok/s, raw vLLM {v:.0f} tok/s, ratio {m / v:.3f} (goal >= 0.95)")
+    for r in range(args.rounds):  # paired rounds, the order swapped each time so drift hits both sides alike
+        first, second = (molt_round(router, prompts, sampling), raw_round(raw, prompts, sampling))[::1 - 2 * (r % 2)]
+        a, b = await first, await second
+        ours.append(a if r % 2 == 0 else b)
+        theirs.append(b if r % 2 == 0 else a)
+        print(f"round {r}: molt {ours[-1]:8.0f} tok/s   raw vLLM {theirs[-1]:8.0f} tok/s   ratio {ours[-1] / theirs[-1]:.3f}")
+    ratio = statistics.median(o / t for o, t in zip(ours, theirs))
+    print(f"median: molt {statistics.median(ours):.0f} tok/s, raw vLLM {statistics.median(theirs):.0f} tok/s, "
+          f"median paired ratio {ratio:.3f} (goal >= 0.95)")
     state = load_file(os.path.join(path, "model.safetensors"))
     lat = [await update_latency(ray, engines[0], state, i + 1, prompts, sampling) for i in range(5)]
     print(f"pause -> load -> resume with 8 requests in flight ({args.model}): {statistics.median(lat):.1f} ms "
@@ -84,5 +87,5 @@ if __name__ == "__main__":
     p.add_argument("--model", default="tiny")
     p.add_argument("--prompts", type=int, default=256)
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=6)
     asyncio.run(main(p.parse_args()))
