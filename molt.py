@@ -923,11 +923,12 @@ class EngineActor:
 
     async def resume(self, version: int):
         # Running requests are preempted so their KV is recomputed under the new weights (their tokens are kept),
-        # and no later request can reuse a prefix cached by the old weights. Image embeddings are dropped on both
-        # sides too (scheduler and worker): kept, they are stale, and vllm 0.32 otherwise misses its encoder cache
-        # for a preempted image request ("Encoder cache miss") and kills the engine.
+        # and no later request can reuse a prefix cached by the old weights. A VLM's image embeddings are dropped on
+        # both sides too (scheduler and worker): kept, they are stale, and vllm 0.32 otherwise misses its encoder
+        # cache for a preempted image request ("Encoder cache miss") and kills the engine.
         await self.engine.reset_prefix_cache(reset_running_requests=True)
-        await self.engine.reset_encoder_cache()
+        if self.image_token is not None:
+            await self.engine.reset_encoder_cache()
         self.version = version
         await self.engine.engine_core.call_utility_async("set_weight_version", str(version))
         await self.engine.resume_generation()

@@ -50,29 +50,26 @@ def ray_cluster():
     ray.shutdown()
 
 
-def _engine(ray, path, **overrides):
-    return molt.start_engines(small_config(**overrides), path)[0]
+def _engine(ray, path):
+    """One engine for the whole session, killed at its end."""
+    e = molt.start_engines(small_config(), path)[0]
+    yield e
+    ray.kill(e)
 
 
 @pytest.fixture(scope="session")
 def engine(ray_cluster, tiny):
-    e = _engine(ray_cluster, tiny)
-    yield e
-    ray_cluster.kill(e)
+    yield from _engine(ray_cluster, tiny)
 
 
 @pytest.fixture(scope="session")
 def moe_engine(ray_cluster, tiny_moe):
-    e = _engine(ray_cluster, tiny_moe)
-    yield e
-    ray_cluster.kill(e)
+    yield from _engine(ray_cluster, tiny_moe)
 
 
 @pytest.fixture(scope="session")
 def vl_engine(ray_cluster, tiny_vl):
-    e = _engine(ray_cluster, tiny_vl)
-    yield e
-    ray_cluster.kill(e)
+    yield from _engine(ray_cluster, tiny_vl)
 
 
 @pytest.fixture(scope="session")

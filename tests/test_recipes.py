@@ -86,7 +86,7 @@ ROWS = {"agents/math.py": {"prompt": "What is 2 + 3?", "label": "5"},
 def test_agent_episodes_feed_a_training_step(engine, tiny, tiny_trainer, agent):
     out = run_agent(engine, tiny, agent, ROWS[agent])
     assert out["failures"] == {} and len(out["samples"]) == 2
-    assert all(any(s.mask) and len(set(s.rollout_id for s in out["samples"])) == 2 for s in out["samples"])
+    assert all(any(s.mask) for s in out["samples"]) and len({s.rollout_id for s in out["samples"]}) == 2
     cfg, trainer = tiny_trainer
     metrics = molt.learn(cfg, {"policy": trainer}, out["samples"] + make_samples(1, 2))
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
