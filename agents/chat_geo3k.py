@@ -15,14 +15,13 @@ sandbox = molt.import_path(os.path.join(HERE, "..", "rewards", "sandbox.py"))
 
 DEFAULTS = {"model": "tiny-vl", "data.path": os.path.join(HERE, "..", "examples", "geo3k_tiny.jsonl"),
             "rollout.max_new_tokens": 128, "rollout.n_samples_per_prompt": 4, "rollout.batch_size": 4,
-            "data.max_len": 2048, "train.lr": 1e-5, "steps": 20}
-MAX_TURNS = 4
+            "rollout.max_turns": 4, "data.max_len": 2048, "train.lr": 1e-5, "steps": 20}
 
 
 class ChatGeo3k(ChatAgent):
     async def run(self, ctx) -> Result:
         client, messages, tool_calls = ctx.openai(), list(ctx.messages), 0
-        for _ in range(MAX_TURNS):
+        for _ in range(ctx.max_turns):
             reply = await client.chat.completions.create(model=ctx.model_name, messages=messages,
                                                          tools=ctx.tools or [sandbox.TOOL_SCHEMA],
                                                          max_tokens=ctx.sampling_params.get("max_tokens"))

@@ -3,17 +3,15 @@ token-exactly). The same math task as agents/math.py, from the agent's side of t
 
     python molt.py --agent agents/chat_minimal.py
 """
-import importlib.util
 import os
 
+import molt
 from molt import ChatAgent, ChatAgentRunner, Result
 
-_spec = importlib.util.spec_from_file_location("math_grader", os.path.join(os.path.dirname(__file__), "..",
-                                                                           "rewards", "math_grader.py"))
-grader = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(grader)
+HERE = os.path.dirname(os.path.abspath(__file__))
+grader = molt.import_path(os.path.join(HERE, "..", "rewards", "math_grader.py"))
 
-DEFAULTS = {"data.path": os.path.join(os.path.dirname(__file__), "..", "examples", "math_tiny.jsonl"),
+DEFAULTS = {"data.path": os.path.join(HERE, "..", "examples", "math_tiny.jsonl"),
             "rollout.max_new_tokens": 64, "rollout.n_samples_per_prompt": 4, "rollout.batch_size": 4, "steps": 4}
 
 

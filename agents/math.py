@@ -3,25 +3,19 @@
     python molt.py --agent agents/math.py                       # bundled tiny set, tiny model, offline
     python molt.py --agent agents/math.py --model Qwen/Qwen3-4B --data my_math.jsonl --train.lr 1e-6
 """
-import importlib.util
 import os
 
+import molt
 from molt import Env, Result, StepEnvRunner
 
-_spec = importlib.util.spec_from_file_location("math_grader", os.path.join(os.path.dirname(__file__), "..",
-                                                                           "rewards", "math_grader.py"))
-grader = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(grader)
+HERE = os.path.dirname(os.path.abspath(__file__))
+grader = molt.import_path(os.path.join(HERE, "..", "rewards", "math_grader.py"))
 
-DEFAULTS = {"data.path": os.path.join(os.path.dirname(__file__), "..", "examples", "math_tiny.jsonl"),
+DEFAULTS = {"data.path": os.path.join(HERE, "..", "examples", "math_tiny.jsonl"),
             "rollout.max_new_tokens": 64, "rollout.n_samples_per_prompt": 4, "rollout.batch_size": 4, "steps": 4}
 
 
-class MathEnv(Env):
-    async def reset(self, prompt, label):
-        self.label = label
-        return prompt
-
+class MathEnv(Env):  # Env.reset keeps the label as self.label and shows the prompt
     async def step(self, action: str) -> Result:
         answer = grader.extract_answer(action)
         reward = float(grader.is_equiv(answer, self.label))

@@ -20,8 +20,8 @@ import molt  # noqa: E402
 
 async def molt_round(router, prompts, sampling):
     t = time.perf_counter()
-    outs = await asyncio.gather(*[router.generate({"ids": p, "sampling": sampling}, uuid.uuid4().hex) for p in prompts])
-    return sum(len(o["completions"][0]["ids"]) for o in outs) / (time.perf_counter() - t)
+    outs = await asyncio.gather(*[router.generate(molt.EngineRequest(p, sampling=sampling), uuid.uuid4().hex) for p in prompts])
+    return sum(len(o[0].ids) for o in outs) / (time.perf_counter() - t)
 
 
 async def raw_round(engine, prompts, sampling):
@@ -38,14 +38,14 @@ async def raw_round(engine, prompts, sampling):
 
 
 async def update_latency(ray, engine, state, version, prompts, sampling):
-    inflight = [engine.generate.remote({"ids": p, "sampling": {**sampling, "max_tokens": 512}}) for p in prompts[:8]]
+    inflight = [engine.generate.remote(molt.EngineRequest(p, sampling={**sampling, "max_tokens": 512})) for p in prompts[:8]]
     await asyncio.sleep(0.5)
     ref = ray.put(state)
     t = time.perf_counter()
     await engine.update.remote([ref], version)
     dt = time.perf_counter() - t
     outs = await asyncio.gather(*inflight)
-    assert all(o["completions"][0]["finish_reason"] == "length" for o in outs)  # nothing was aborted
+    assert all(o[0].finish_reason == "length" for o in outs)  # nothing was aborted
     return dt * 1e3
 
 

@@ -76,11 +76,12 @@ def main(args):
     cfg = molt.Config()
     cfg.data.max_len, cfg.train.lr, cfg.train.micro_batch_size = 1024, 1e-5, 8
     cfg.algo.is_level = "off"
+    molt.validate_config(cfg)
     path = random_model(args.hidden, args.layers)
     molt.ray_init(cfg)
     samples = batch(args.samples)
     tokens = sum(len(s.tokens) for s in samples)
-    group = molt.TrainerGroup(cfg, path, "policy", total_steps=100)
+    group = molt.ModelGroup(cfg, path, "policy", total_steps=100)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
     molt.learn(cfg, {"policy": group}, samples)  # warm-up
@@ -103,12 +104,13 @@ def main(args):
         path = random_model(hidden, layers)
         cfg.engine.kv_cache_gb = 0.25
         engines = molt.start_engines(cfg, path)
-        group = molt.TrainerGroup(cfg, path, "policy", total_steps=100)
+        group = molt.ModelGroup(cfg, path, "policy", total_steps=100)
         times = []
         for v in range(4):
             t = time.perf_counter()
-            out, refs = molt.sync_weights(cfg, group, engines, v + 1)
-            out.update(molt.finish_sync(cfg, refs))
+            sync = molt.WeightSync(cfg, group, engines)
+            out = sync.start(v + 1)
+            out.update(sync.wait())
             times.append({**out, "total": time.perf_counter() - t})
         mb = times[0]["sync/bytes"] / 2**20
         total = statistics.median(t["total"] for t in times[1:])

@@ -28,21 +28,19 @@ async def main(args):
     engine = molt.start_engines(cfg, path)[0]
     samples = []
     for i in range(8):
-        out = await engine.generate.remote({"ids": [5 + i, 6, 7, 8, 9], "sampling": {"max_tokens": 64,
-                                                                                       "temperature": 1.0}})
-        c = out["completions"][0]
+        [c] = await engine.generate.remote(molt.EngineRequest([5 + i, 6, 7, 8, 9], sampling={
+            "max_tokens": 64, "temperature": 1.0}))
         s = molt.Sample(rollout_id=str(i))
-        s.extend([5 + i, 6, 7, 8, 9])
-        s.extend(c["ids"], c["logprobs"], c["versions"])
-        molt.absorb_routing(s, c["routing"])
+        s.add_context([5 + i, 6, 7, 8, 9])
+        s.add_turn(c)
         samples.append(s)
     captured = sum(int((s.routing >= 0).all(-1).all(-1).sum()) for s in samples)
     print(f"captured routing for {captured} of {sum(len(s.tokens) for s in samples)} tokens "
           f"(shape per sample [T, layers, top_k] = {list(samples[0].routing.shape)})")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).cuda()
     for replay in (False, True):
-        routers = molt.prepare_moe(model, molt.ActorConfig(), "policy", replay=replay)
-        mb = molt.collate(samples, list(range(len(samples))), {}, torch.device("cuda"))
+        routers = molt.prepare_moe(model, model.config, molt.ActorConfig(), "policy", replay=replay)
+        mb = molt.collate(samples, list(range(len(samples))), None, torch.device("cuda"))
         with torch.no_grad():
             logits = molt.model_forward(model, mb, None)
         lp = molt.token_logprobs(logits, mb["ids"], 1.0)[0]

@@ -76,7 +76,7 @@ def vl_engine(ray_cluster, tiny_vl):
 def tiny_trainer(ray_cluster, tiny):
     """One policy rank on the tiny model, shared by tests that only need a training step to run."""
     cfg = small_config(**{"train.lr": 1e-4, "train.micro_batch_size": 8})
-    group = molt.TrainerGroup(cfg, tiny, "policy", total_steps=100)
+    group = molt.ModelGroup(cfg, tiny, "policy", total_steps=100)
     yield cfg, group
     for w in group.workers:
         ray_cluster.kill(w)

@@ -23,13 +23,13 @@ class Recorder(molt.Router):
 
     async def generate(self, request, key):
         out = await super().generate(request, key)
-        self.calls.append(out["completions"][0])
+        self.calls.append(out[0])
         return out
 
 
 def make_pool(engine, path, **overrides):
     pool = molt.AgentPool(small_config(**overrides), "", path, [engine])
-    pool.router = Recorder([engine])
+    pool.router = pool.server.router = Recorder([engine])  # the pool samples Env turns, the server chat turns
     return pool
 
 
@@ -42,7 +42,7 @@ def episode(prompt="Say something.", sampling=None, images=(), tools=None, label
 def ab_only(pool, tokens=12):
     """Sampling restricted to 'a' and 'b': decoded text like 'abba' re-tokenizes into the merged 'ab' token, so a
     trajectory that re-tokenized sampled text would differ from the engine's ids."""
-    return {"temperature": 1.0, "max_tokens": tokens, "allowed_token_ids": pool.tokenizer.convert_tokens_to_ids(["a", "b"])}
+    return {"temperature": 1.0, "max_tokens": tokens, "allowed_token_ids": pool.codec.tokenizer.convert_tokens_to_ids(["a", "b"])}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -65,18 +65,18 @@ def test_env_sample_is_prompt_actions_and_observations_exactly(engine, tiny):
         [s] = await molt.StepEnvRunner(ThreeTurns).run(episode("Count with a and b.", ab_only(pool)), pool)
         return pool, s
     pool, s = run(main())
-    actions = [c["ids"] for c in pool.router.calls]
-    expected, mask = pool.encode(pool.render(molt.as_messages("Count with a and b.")))[0], None
+    actions = [c.ids for c in pool.router.calls]
+    expected, mask = pool.codec.encode(pool.codec.render(molt.as_messages("Count with a and b.")))[0], None
     mask = [0] * len(expected)
     for i, a in enumerate(actions):
         expected, mask = expected + a, mask + [1] * len(a)
         if i < 2:
-            obs = pool.encode(pool.continuation(a, [{"role": "user", "content": f"turn {i + 1}: the ab"}]))[0]
+            obs = pool.codec.encode(pool.codec.continuation(a, [{"role": "user", "content": f"turn {i + 1}: the ab"}]))[0]
             expected, mask = expected + obs, mask + [0] * len(obs)
     assert len(actions) == 3 and s.tokens == expected and s.mask == mask
-    assert [lp for lp, m in zip(s.logprobs, s.mask) if m] == [x for c in pool.router.calls for x in c["logprobs"]]
+    assert [lp for lp, m in zip(s.logprobs, s.mask) if m] == [x for c in pool.router.calls for x in c.logprobs]
     assert s.reward == 1.5  # rewards over turns sum
-    retokenized = [pool.tokenizer(pool.tokenizer.decode(a), add_special_tokens=False)["input_ids"] for a in actions]
+    retokenized = [pool.codec.tokenizer(pool.codec.tokenizer.decode(a), add_special_tokens=False)["input_ids"] for a in actions]
     assert any(r != a for r, a in zip(retokenized, actions)), "test needs text whose re-tokenization differs"
 
 
@@ -97,7 +97,7 @@ def test_env_carries_images_of_first_and_later_observations(vl_engine, tiny_vl):
         ep = episode("<image>What color is this?", images=[Image.new("RGB", (56, 56), (200, 30, 30))])
         return pool, (await molt.StepEnvRunner(Picture).run(ep, pool))[0]
     pool, s = run(main())
-    pad = pool.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    pad = pool.codec.tokenizer.convert_tokens_to_ids("<|image_pad|>")
     grid = s.mm["image_grid_thw"]
     assert s.n_images == 2 and grid.shape[0] == 2
     assert s.tokens.count(pad) == int((grid.prod(-1) // 4).sum())  # every image's placeholders, expanded
@@ -190,10 +190,10 @@ def test_multi_turn_chat_is_one_token_exact_segment(engine, tiny, wire, sync):
     agent = type("Agent", (MultiTurn,), {"wire": wire, "sync": sync})
     pool, segments = run_chat(engine, tiny, agent, {"temperature": 1.0, "max_tokens": 10})
     [s] = segments
-    actions = [c["ids"] for c in pool.router.calls]
+    actions = [c.ids for c in pool.router.calls]
     assert len(actions) == 3
     assert [t for t, m in zip(s.tokens, s.mask) if m] == [t for a in actions for t in a]
-    assert [lp for lp, m in zip(s.logprobs, s.mask) if m] == [x for c in pool.router.calls for x in c["logprobs"]]
+    assert [lp for lp, m in zip(s.logprobs, s.mask) if m] == [x for c in pool.router.calls for x in c.logprobs]
     # every turn's engine input was exactly the segment so far: context grows by appending only
     starts = [i for i in range(1, len(s.mask)) if s.mask[i] and not s.mask[i - 1]]
     assert len(starts) == 3 and s.reward == 1.0 and s.rollout_id
@@ -253,7 +253,7 @@ def test_tool_calls_round_trip(engine, tiny, wire):
     pool, [s] = run_chat(engine, tiny, agent, FORCE_CALL, tools=[WEATHER])
     finish = "tool_calls" if wire == "openai" else "tool_use"
     assert agent.seen == [("get_weather", {"city": "Paris"}, finish)] * 2
-    context = pool.tokenizer.decode([t for t, m in zip(s.tokens, s.mask) if not m])
+    context = pool.codec.tokenizer.decode([t for t, m in zip(s.tokens, s.mask) if not m])
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in context and '"name": "get_weather"' in context
 
 
@@ -280,7 +280,7 @@ def test_compaction_starts_a_new_segment_and_resend_is_cached(engine, tiny):
     assert all(s.reward == 0.25 and s.score == 1.0 for s in segments)
     second = segments[1]
     assert sum(1 for i in range(1, len(second.mask)) if second.mask[i] and not second.mask[i - 1]) == 2
-    head = pool.encode(pool.render([{"role": "system", "content": "Summary of earlier work: nothing yet."},
+    head = pool.codec.encode(pool.codec.render([{"role": "system", "content": "Summary of earlier work: nothing yet."},
                                     {"role": "user", "content": "Continue."}]))[0]
     assert second.tokens[:len(head)] == head  # the new segment is token-exact from the compacted render
 
@@ -365,8 +365,8 @@ def test_failing_agents_are_counted_and_skipped(engine, tiny):
         pool.runner = molt.ChatAgentRunner(Flaky)
         return await pool.run_group({"prompt": "hi", "label": None}, 8, {"temperature": 1.0, "max_tokens": 4}, "g1")
     out = run(main())
-    assert out["failures"] == {"error": 2, "timeout": 2, "bad_result": 2}
-    assert len(out["samples"]) == 2 and all(s.group_id == "g1" for s in out["samples"])
+    assert out.failures == {"error": 2, "timeout": 2, "bad_result": 2}
+    assert len(out.samples) == 2 and all(s.group_id == "g1" for s in out.samples)
 
 
 def test_models_route_answers_both_sdks(engine, tiny):

@@ -11,7 +11,7 @@ def algo(**kw):
     a = molt.AlgoConfig()
     for k, v in kw.items():
         setattr(a, k, v)
-    return a
+    return molt.resolve_loss_defaults(a)
 
 
 def t(*rows):
@@ -160,3 +160,12 @@ def test_aggregation_token_and_sequence_means():
     loss, mask = t([1.0, 2.0, 9.0], [3.0, 0.0, 0.0]), t([1.0, 1.0, 0.0], [1.0, 0.0, 0.0])
     assert molt.aggregate(loss, mask, "token", n_tokens=3, n_seqs=2).item() == pytest.approx(2.0)
     assert molt.aggregate(loss, mask, "seq", n_tokens=3, n_seqs=2).item() == pytest.approx((1.5 + 3.0) / 2)
+
+
+def test_samples_without_ids_are_separate_episodes_and_groups():
+    samples = [molt.Sample(tokens=[5, 6, 7], mask=[0, 1, 1], logprobs=[0.0, -1.0, -1.0], versions=[-1, 0, 0],
+                           reward=r) for r in (1.0, 0.0, 1.0)]
+    mask, reward, group, rollout = molt.step_tensors(samples)
+    assert len(set(group.tolist())) == 3 and len(set(rollout.tolist())) == 3
+    a, _ = molt.compute_advantages(algo(estimator="grpo"), reward, group, rollout, mask)
+    assert torch.all(a == 0)  # three singletons: no group to compare with

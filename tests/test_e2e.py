@@ -1,6 +1,5 @@
 """End to end: python molt.py as a subprocess with tiny budgets (real Ray, vLLM engine, FSDP2 trainer, weight sync)."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +77,8 @@ def test_updates_land_mid_episode_and_bad_agents_cost_only_their_episode(tmp_pat
                     runs, cur = runs + [cur], []
             switched += sum(len(set(x)) > 1 for x in runs + [cur])
     assert switched > 0
-    failed = {k: sum(r.get(k, 0) for r in m) for k in ("rollout/failed/error", "rollout/failed/timeout",
-                                                       "rollout/failed/bad_result")}
+    # crashing and garbage-returning episodes fail at their second turn and are counted; the hanging ones never end
+    # on their own, and the run finishes all its steps regardless (their timeout is counted in test_agents, where the
+    # group waits for it: here it may fire after the last step)
+    failed = {k: sum(r.get(k, 0) for r in m) for k in ("rollout/failed/error", "rollout/failed/bad_result")}
     assert all(v > 0 for v in failed.values()), failed

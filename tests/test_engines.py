@@ -54,7 +54,7 @@ def perturbed(path, scale=0.05, seed=1):
 
 
 def gen(engine, sampling, prompt=PROMPT):
-    return run(engine.generate.remote({"ids": prompt, "sampling": sampling}))["completions"]
+    return run(engine.generate.remote(molt.EngineRequest(prompt, sampling=sampling)))
 
 
 def update(ray, engine, state, version, check=False):
@@ -66,7 +66,7 @@ def test_greedy_tokens_match_transformers(request, kind):
     engine = request.getfixturevalue("engine" if kind == "tiny" else "moe_engine")
     path = molt.resolve_model(kind)
     out = gen(engine, greedy(16))[0]
-    ids = torch.tensor([PROMPT + out["ids"]])
+    ids = torch.tensor([PROMPT + out.ids])
     with torch.no_grad():
         logits = hf_model(path)(ids).logits[0, len(PROMPT) - 1:-1]
     chosen = logits.gather(-1, ids[0, len(PROMPT):, None])[:, 0]
@@ -79,17 +79,17 @@ def test_logprobs_align_and_match_transformers(engine, tiny):
     assert len(outs) == 3
     model = hf_model(tiny)
     for c in outs:
-        assert len(c["ids"]) == len(c["logprobs"]) == len(c["versions"]) == 40
-        assert c["versions"] == [0] * 40
-        ref = hf_logprobs(model, PROMPT, c["ids"])
-        assert max(abs(a - b) for a, b in zip(ref, c["logprobs"])) < 1e-3
+        assert len(c.ids) == len(c.logprobs) == len(c.versions) == 40
+        assert c.versions == [0] * 40
+        ref = hf_logprobs(model, PROMPT, c.ids)
+        assert max(abs(a - b) for a, b in zip(ref, c.logprobs)) < 1e-3
 
 
 async def _long_requests_with_update(ray, engine, new_state, version):
-    reqs = [engine.generate.remote({"ids": PROMPT[: 3 + i], "sampling": sampled(600)}) for i in range(3)]
+    reqs = [engine.generate.remote(molt.EngineRequest(PROMPT[: 3 + i], sampling=sampled(600))) for i in range(3)]
     await asyncio.sleep(1.0)  # let them get going
     await engine.update.remote([ray.put(new_state)], version)
-    return [(PROMPT[: 3 + i], (await r)["completions"][0]) for i, r in enumerate(reqs)]
+    return [(PROMPT[: 3 + i], (await r)[0]) for i, r in enumerate(reqs)]
 
 
 def _reset(ray, engine, path, version):
@@ -109,16 +109,16 @@ def test_update_mid_request_switches_versions_exactly(request, ray_cluster, kind
     old_model, new_model = hf_model(path), hf_model(path, new)
     switched = 0
     for prompt, c in results:
-        assert c["finish_reason"] == "length" and len(c["ids"]) == 600  # nothing aborted or cut short
-        vs = c["versions"]
+        assert c.finish_reason == "length" and len(c.ids) == 600  # nothing aborted or cut short
+        vs = c.versions
         cut = vs.index(version + 1) if version + 1 in vs else len(vs)
         assert vs == [version] * cut + [version + 1] * (len(vs) - cut)  # one switch, exactly where it happened
         switched += 0 < cut < len(vs)
         # each token's log-prob is that of the weights its version names
-        old_lp = hf_logprobs(old_model, prompt, c["ids"])
-        new_lp = hf_logprobs(new_model, prompt, c["ids"])
-        assert max([abs(a - b) for a, b in zip(old_lp[:cut], c["logprobs"][:cut])], default=0) < 1e-3
-        assert max([abs(a - b) for a, b in zip(new_lp[cut:], c["logprobs"][cut:])], default=0) < 1e-3
+        old_lp = hf_logprobs(old_model, prompt, c.ids)
+        new_lp = hf_logprobs(new_model, prompt, c.ids)
+        assert max([abs(a - b) for a, b in zip(old_lp[:cut], c.logprobs[:cut])], default=0) < 1e-3
+        assert max([abs(a - b) for a, b in zip(new_lp[cut:], c.logprobs[cut:])], default=0) < 1e-3
     assert switched >= 1, "the update did not land inside any request"
 
 
@@ -132,9 +132,9 @@ def test_new_weights_change_outputs_and_reload_restores_them(request, ray_cluste
     changed = gen(engine, greedy(32))[0]
     _reset(ray_cluster, engine, path, version + 2)  # the original weights again: outputs identical, bit for bit
     after = gen(engine, greedy(32))[0]
-    assert changed["ids"] != before["ids"]
-    assert after["ids"] == before["ids"] and after["logprobs"] == before["logprobs"]
-    assert after["versions"] == [version + 2] * 32
+    assert changed.ids != before.ids
+    assert after.ids == before.ids and after.logprobs == before.logprobs
+    assert after.versions == [version + 2] * 32
 
 
 def test_check_reports_parameters_a_sync_missed(ray_cluster, engine, tiny):
@@ -153,8 +153,8 @@ def test_check_reports_parameters_a_sync_missed(ray_cluster, engine, tiny):
 ])
 def test_bad_requests_fail_clearly_and_engine_keeps_serving(engine, ids, sampling, images, message):
     with pytest.raises(Exception, match=message):
-        run(engine.generate.remote({"ids": ids, "images": images, "sampling": sampling}))
-    assert len(gen(engine, greedy(4))[0]["ids"]) == 4
+        run(engine.generate.remote(molt.EngineRequest(ids, images, sampling)))
+    assert len(gen(engine, greedy(4))[0].ids) == 4
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +171,7 @@ def test_router_affinity_and_spread(two_engines):
         picks = []
         for _ in range(3):  # three turns of one rollout
             picks.append(router.pick(f"rollout-{i}"))
-            await router.generate({"ids": PROMPT + [20 + i], "sampling": sampled(8)}, f"rollout-{i}")
+            await router.generate(molt.EngineRequest(PROMPT + [20 + i], sampling=sampled(8)), f"rollout-{i}")
         return picks
 
     async def main():  # distinct prompts, so the router does not coalesce them into one n=8 request
@@ -189,14 +189,14 @@ def test_router_coalesces_a_prompt_group_into_one_request(two_engines):
     router = molt.Router(two_engines)
 
     async def main():  # the first turns of a group of 4: same prompt, same sampling, issued together
-        return await asyncio.gather(*[router.generate({"ids": PROMPT, "sampling": sampled(16)}, f"g-{i}")
+        return await asyncio.gather(*[router.generate(molt.EngineRequest(PROMPT, sampling=sampled(16)), f"g-{i}")
                                       for i in range(4)])
 
     before = [run(e.stats.remote())["requests"] for e in two_engines]
     outs = run(main())
     after = [run(e.stats.remote())["requests"] for e in two_engines]
     assert sum(after) - sum(before) == 1  # one prefill, one call with n=4
-    samples = [tuple(o["completions"][0]["ids"]) for o in outs]
+    samples = [tuple(o[0].ids) for o in outs]
     assert all(len(s) == 16 for s in samples) and len(set(samples)) == 4  # four independent samples
     assert len({router.pick(f"g-{i}") for i in range(4)}) == 1  # later turns follow to the same engine
 
@@ -214,12 +214,12 @@ def test_router_retries_on_a_dead_engine(ray_cluster, two_engines):
     router = molt.Router(two_engines)
 
     async def main():
-        reqs = [asyncio.ensure_future(router.generate({"ids": PROMPT + [20 + i], "sampling": sampled(300)}, f"r{i}"))
+        reqs = [asyncio.ensure_future(router.generate(molt.EngineRequest(PROMPT + [20 + i], sampling=sampled(300)), f"r{i}"))
                 for i in range(8)]
         await asyncio.sleep(1.0)
         kill_engine_core(two_engines[1])  # vLLM's own process dies: the actor must notice, exit, and be failed over
         return await asyncio.gather(*reqs)
 
     outs = run(main())
-    assert len(outs) == 8 and all(len(o["completions"][0]["ids"]) == 300 for o in outs)
+    assert len(outs) == 8 and all(len(o[0].ids) == 300 for o in outs)
     assert router.failures >= 1 and 1 in router.dead

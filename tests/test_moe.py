@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen3MoeConfig
 
 import molt
 from conftest import small_config
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def moe_model(path, replay=True):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    routers = molt.prepare_moe(model, molt.ActorConfig(), "policy", replay=replay)
+    routers = molt.prepare_moe(model, model.config, molt.ActorConfig(), "policy", replay=replay)
     assert len(routers) == 2 and [r.molt_layer for r in routers] == [0, 1]
     return model, routers
 
@@ -74,7 +74,7 @@ def test_partial_routing_replays_exactly_the_recorded_positions_after_padding(ti
         routing[length // 2:] = -1  # the engine reported routing only for the first half (e.g. earlier turns)
         s.routing = routing.numpy().astype("int16")
         rows.append(s)
-    mb = molt.collate(rows, [0, 1], {}, torch.device("cpu"))
+    mb = molt.collate(rows, [0, 1], None, torch.device("cpu"))
     assert mb["routing"].shape == (2, T, 2, 2) and (mb["routing"][1, 9:] == -1).all()
     with torch.no_grad():
         molt.model_forward(model, mb, None)
@@ -100,7 +100,7 @@ def test_fp32_router_computes_the_gate_in_fp32(tiny_moe):
 
 def test_frozen_router_stays_bit_identical_while_the_rest_trains(ray_cluster, tiny_moe):
     cfg = small_config(**{"train.lr": 1e-2, "actor.freeze_moe_router": True, "train.micro_batch_size": 4})
-    group = molt.TrainerGroup(cfg, tiny_moe, "policy", total_steps=10)
+    group = molt.ModelGroup(cfg, tiny_moe, "policy", total_steps=10)
     before = weights(group)
     for seed in (1, 2):
         molt.learn(cfg, {"policy": group}, make_samples(seed=seed))
@@ -123,3 +123,50 @@ def test_moe_trains_through_the_full_loop_and_replay_fails_clearly_on_cpu(tmp_pa
     bad = subprocess.run(base + [str(tmp_path / "bad"), "--steps", "2", "--train.routing-replay"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "on CUDA" in bad.stderr and "routing-replay" in bad.stderr
+
+
+def test_every_trainer_build_path_applies_the_router_flags(tiny_moe):
+    """transformers routers through build_model, as a policy rank builds them (fp32 gate, frozen)."""
+    cfg = small_config(**{"actor.freeze_moe_router": True, "train.backend": "hf"})
+    model = molt.build_model(cfg, tiny_moe, "policy", AutoConfig.from_pretrained(tiny_moe), world=1, cuda=False)
+    routers = model._molt_routers
+    assert len(routers) == 2 and all(r.molt_fp32 and not r.weight.requires_grad for r in routers)
+    assert all(p.requires_grad for n, p in model.named_parameters() if "gate" not in n)
+
+
+def test_automodel_gates_get_the_fp32_and_freeze_flags():
+    """AutoModel cannot build a model on CPU, but its Gate (the router of its own MoE implementations) can run here."""
+    from nemo_automodel.components.moe.config import MoEConfig
+    from nemo_automodel.components.moe.layers import Gate
+    conf = MoEConfig(n_routed_experts=4, n_shared_experts=0, n_activated_experts=2, n_expert_groups=1,
+                     n_limited_groups=1, train_gate=True, gate_bias_update_factor=0.0, aux_loss_coeff=0.0,
+                     score_func="softmax", route_scale=1.0, dim=64, inter_dim=128, moe_inter_dim=64,
+                     norm_topk_prob=True, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList([torch.nn.ModuleDict({"gate": Gate(conf)}) for _ in range(2)])
+    for g in molt.automodel_gates(model):
+        torch.nn.init.normal_(g.weight)
+    x = torch.randn(64, 64, dtype=torch.bfloat16)
+    before = molt.automodel_gates(model)[0](x, torch.ones(64, dtype=torch.bool), None)[0].detach()
+    molt.prepare_moe(model, Qwen3MoeConfig(num_experts=4), molt.ActorConfig(freeze_moe_router=True), "policy")
+    gates = molt.automodel_gates(model)
+    assert len(gates) == 2 and all(g.gate_precision == torch.float32 and not g.weight.requires_grad for g in gates)
+    weights, idx, _ = gates[0](x, torch.ones(64, dtype=torch.bool), None)
+    logits = torch.nn.functional.linear(x.float(), gates[0].weight.float())  # the projection itself in fp32
+    top, expect_idx = logits.topk(2, dim=-1)
+    expect = top.softmax(-1).to(torch.bfloat16)  # the gate returns its weights in the input's dtype
+    assert torch.equal(idx, expect_idx) and torch.equal(weights.detach(), expect)
+    assert not torch.equal(before, expect)  # with the projection in bf16 the weights differ
+
+
+def test_a_moe_model_with_unknown_routers_is_refused():
+    with pytest.raises(RuntimeError, match="--train.backend hf"):
+        molt.prepare_moe(torch.nn.Linear(4, 4), Qwen3MoeConfig(num_experts=4), molt.ActorConfig(), "policy")
+
+
+def test_the_critic_is_a_value_model_on_every_backend(tiny):
+    cfg = small_config(**{"train.backend": "automodel", "algo.estimator": "gae"})
+    critic = molt.build_model(cfg, tiny, "critic", AutoConfig.from_pretrained(tiny), world=1, cuda=False)
+    with torch.no_grad():
+        out = critic(input_ids=torch.tensor([[5, 6, 7]])).logits
+    assert out.shape == (1, 3, 1)  # one value per token, not a vocabulary logit

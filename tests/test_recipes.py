@@ -85,10 +85,10 @@ ROWS = {"agents/math.py": {"prompt": "What is 2 + 3?", "label": "5"},
 @pytest.mark.parametrize("agent", sorted(ROWS))
 def test_agent_episodes_feed_a_training_step(engine, tiny, tiny_trainer, agent):
     out = run_agent(engine, tiny, agent, ROWS[agent])
-    assert out["failures"] == {} and len(out["samples"]) == 2
-    assert all(any(s.mask) for s in out["samples"]) and len({s.rollout_id for s in out["samples"]}) == 2
+    assert out.failures == {} and len(out.samples) == 2
+    assert all(any(s.mask) for s in out.samples) and len({s.rollout_id for s in out.samples}) == 2
     cfg, trainer = tiny_trainer
-    metrics = molt.learn(cfg, {"policy": trainer}, out["samples"] + make_samples(1, 2))
+    metrics = molt.learn(cfg, {"policy": trainer}, out.samples + make_samples(1, 2))
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
 
 
@@ -96,8 +96,8 @@ def test_judge_failures_are_counted_and_not_rewarded(engine, tiny):
     garbled = run_agent(engine, tiny, "agents/judge.py", ROWS["agents/judge.py"])  # a random judge: no score
     down = run_agent(engine, tiny, "agents/judge.py", ROWS["agents/judge.py"], **{"judge.url": "http://127.0.0.1:9/v1"})
     for out in (garbled, down):
-        assert out["failures"] == {}  # a judge failure costs the reward, not the episode
-        assert all(s.info["judge/failed"] == 1.0 and s.reward == 0.0 for s in out["samples"])
+        assert out.failures == {}  # a judge failure costs the reward, not the episode
+        assert all(s.info["judge/failed"] == 1.0 and s.reward == 0.0 for s in out.samples)
 
 
 PLOT = "from PIL import Image; Image.new('RGB', (56, 56)).save('plot.png'); print(6 * 7)"
@@ -120,14 +120,14 @@ def test_geo3k_tool_turns_carry_images_and_mask_tool_output(vl_engine, tiny_vl, 
         await pool.server._runner.cleanup()
         return pool, out
     pool, out = run(main())
-    assert out["failures"] == {}
-    [s] = out["samples"]
+    assert out.failures == {}
+    [s] = out.samples
     assert s.info["geo3k/tool_calls"] >= 2  # every turn was a (forced) tool call
     assert s.n_images >= 3  # the diagram plus the plot of each tool run
-    context = pool.tokenizer.decode([t for t, m in zip(s.tokens, s.mask) if not m])
+    context = pool.codec.tokenizer.decode([t for t, m in zip(s.tokens, s.mask) if not m])
     responses = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", context, re.S)
     assert len(responses) >= 2 and all("42\n" in r and "<|image_pad|>" in r for r in responses)  # output + plot
-    assert "<tool_response>" not in pool.tokenizer.decode([t for t, m in zip(s.tokens, s.mask) if m])
+    assert "<tool_response>" not in pool.codec.tokenizer.decode([t for t, m in zip(s.tokens, s.mask) if m])
 
 
 @pytest.mark.slow

@@ -1,13 +1,11 @@
 """rewards/math_grader.py: answer extraction and equivalence."""
-import importlib.util
 import os
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("math_grader", os.path.join(os.path.dirname(__file__), "..", "rewards",
-                                                                           "math_grader.py"))
-grader = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(grader)
+import molt
+
+grader = molt.import_path(os.path.join(os.path.dirname(__file__), "..", "rewards", "math_grader.py"))
 
 
 @pytest.mark.parametrize("text, answer", [

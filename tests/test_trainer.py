@@ -1,7 +1,6 @@
 """Section 9 and 11: the FSDP2 policy actor on CPU (gloo), weight sync into the real engine, checkpoints."""
 import math
 import random
-import shutil
 
 import pytest
 import torch
@@ -32,7 +31,7 @@ def weights(group):
 
 def trainer(path, ranks=1, **overrides):
     cfg = small_config(**{"train.num_ranks": ranks, "train.lr": 1e-2, "train.micro_batch_size": 3, **overrides})
-    return cfg, molt.TrainerGroup(cfg, path, "policy", total_steps=10)
+    return cfg, molt.ModelGroup(cfg, path, "policy", total_steps=10)
 
 
 @pytest.mark.parametrize("agg", ["token", "seq"])
@@ -61,23 +60,24 @@ def test_synced_engine_matches_the_trainer(ray_cluster, engine, tiny):
     cfg, group = trainer(tiny, **{"train.check_weight_sync": True})
     molt.learn(cfg, {"policy": group}, make_samples())
     version = run(engine.stats.remote())["version"] + 1
-    out, updating = molt.sync_weights(cfg, group, [engine], version)
-    out.update(molt.finish_sync(cfg, updating))
+    sync = molt.WeightSync(cfg, group, [engine])
+    out = sync.start(version)
+    out.update(sync.wait())
     try:
         assert out["sync/stale_params"] == 0 and out["sync/bytes"] > 0
-        c = run(engine.generate.remote({"ids": [5, 6, 7, 8], "sampling": {"max_tokens": 24, "temperature": 1.0,
-                                                                            "ignore_eos": True}}))["completions"][0]
+        [c] = run(engine.generate.remote(molt.EngineRequest([5, 6, 7, 8], sampling={
+            "max_tokens": 24, "temperature": 1.0, "ignore_eos": True})))
         s = molt.Sample(rollout_id="probe")
         s.extend([5, 6, 7, 8])
-        s.extend(c["ids"], c["logprobs"], c["versions"])
+        s.add_turn(c)
         ours = group.forward(ray_cluster.put([s]), molt.shard_plan([s], 1, 1))[0][3:]
-        gap = max(abs(a - b) for a, b in zip(ours, c["logprobs"]))
+        gap = max(abs(a - b) for a, b in zip(ours, c.logprobs))
         base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
         with torch.no_grad():
             ids = torch.tensor([s.tokens])
             old = torch.log_softmax(base(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[3:, 0]
-        assert gap < 1e-3 and c["versions"] == [version] * 24
-        assert max(abs(a - b) for a, b in zip(old.tolist(), c["logprobs"])) > 1e-2  # the weights really changed
+        assert gap < 1e-3 and c.versions == [version] * 24
+        assert max(abs(a - b) for a, b in zip(old.tolist(), c.logprobs)) > 1e-2  # the weights really changed
     finally:
         import ray
         ray.get(engine.update.remote([ray.put(molt.load_file_state(tiny))], version + 1))
@@ -98,7 +98,7 @@ def test_checkpoint_resume_takes_the_same_next_step(ray_cluster, tiny, tmp_path)
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"truncated")
     assert molt.latest_checkpoint(str(tmp_path)) == ckpt
-    b = molt.TrainerGroup(cfg, str(ckpt), "policy", total_steps=10)
+    b = molt.ModelGroup(cfg, str(ckpt), "policy", total_steps=10)
     b.run("load", str(ckpt))
     molt.learn(cfg, {"policy": b}, second)
     resumed = weights(b)
@@ -107,8 +107,8 @@ def test_checkpoint_resume_takes_the_same_next_step(ray_cluster, tiny, tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(str(ckpt))  # loadable as is by transformers...
     assert hf.config.vocab_size == 128
     engine = molt.start_engines(small_config(), str(ckpt))[0]  # ...and by vLLM
-    out = run(engine.generate.remote({"ids": [5, 6], "sampling": {"max_tokens": 3, "ignore_eos": True}}))
-    assert len(out["completions"][0]["ids"]) == 3
+    out = run(engine.generate.remote(molt.EngineRequest([5, 6], sampling={"max_tokens": 3, "ignore_eos": True})))
+    assert len(out[0].ids) == 3
     for actor in [engine, *a.workers, *b.workers]:
         ray_cluster.kill(actor)
 

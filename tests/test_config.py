@@ -1,0 +1,85 @@
+"""Section 1: the config tree, its flags and the launch refusals (each names the flag the user must change)."""
+from pathlib import Path
+
+import pytest
+
+import molt
+
+COPY = str(Path(__file__).resolve().parent.parent / "agents" / "copy.py")
+
+
+def parse(*argv):
+    return molt.parse_config([str(a) for a in argv])
+
+
+def test_flags_override_agent_defaults_which_override_the_dataclass():
+    cfg = parse("--agent", COPY, "--rollout.batch-size", 3, "--data", "x.jsonl")
+    assert cfg.rollout.batch_size == 3  # flag over the agent's DEFAULTS (16)
+    assert cfg.train.lr == 5e-4 and cfg.model == "tiny"  # the agent's DEFAULTS over the dataclass (1e-6)
+    assert cfg.data.path == "x.jsonl"  # the short flag
+    assert parse().rollout.batch_size == 16
+
+
+@pytest.mark.parametrize("loss, low, high, agg", [("ppo", 0.2, 0.28, "token"), ("gspo", 3e-4, 4e-4, "seq"),
+                                                  ("cispo", 0.2, 5.0, "token")])
+def test_each_loss_gets_its_own_defaults(loss, low, high, agg):
+    a = parse("--algo.loss", loss).algo
+    assert (a.clip_low, a.clip_high, a.loss_agg) == (low, high, agg)
+
+
+def test_explicit_clip_and_aggregation_win_over_the_loss_defaults():
+    a = parse("--algo.loss", "gspo", "--algo.clip-high", 0.001, "--algo.loss-agg", "token").algo
+    assert (a.clip_low, a.clip_high, a.loss_agg) == (3e-4, 0.001, "token")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--algo.estimator", "grpo", "--rollout.n-samples-per-prompt", 1], "n-samples-per-prompt >= 2"),
+    (["--algo.estimator", "on_policy_distill"], "needs --ref.model"),
+    (["--algo.kl-coef", 0.1], "needs a reference model"),
+    (["--algo.kl-in-reward", "--algo.kl-coef", 0.1, "--ref.model", "tiny"], "would ignore it"),  # grpo: group estimator
+    (["--algo.estimator", "rloo", "--algo.kl-in-reward", "--algo.kl-coef", 0.1, "--ref.model", "tiny"],
+     "would ignore it"),
+    (["--algo.estimator", "reinforce", "--algo.kl-in-reward", "--ref.model", "tiny"], "kl-coef > 0"),
+    (["--rollout.top-p", 0.9], "top-p < 1"),
+    (["--algo.loss", "cispo", "--algo.clip-high", 0.5], "absolute ceiling"),
+    (["--algo.dual-clip", 3, "--algo.loss", "gspo"], "PPO-only"),
+    (["--algo.dual-clip", 0.5], "must be > 1"),
+    (["--algo.filter-range", 0.9, 0.1], "LOW < HIGH"),
+    (["--rollout.batch-size", 0], "batch-size"),
+])
+def test_invalid_combinations_are_refused_naming_the_flag(argv, message):
+    with pytest.raises(ValueError, match=message):
+        parse(*argv)
+
+
+def test_kl_in_reward_is_accepted_where_it_has_an_effect():
+    for est in ("reinforce", "gae"):
+        assert parse("--algo.estimator", est, "--algo.kl-in-reward", "--algo.kl-coef", 0.1,
+                     "--ref.model", "tiny").algo.kl_in_reward
+
+
+def test_launch_refusals_that_need_the_cluster(tiny):
+    routing = parse("--agent", COPY, "--train.routing-replay")
+    with pytest.raises(RuntimeError, match="on CUDA"):
+        molt.check_launch(routing, tiny, gpus=0)
+    routing.train.backend = "automodel"  # with GPUs, AutoModel's routers have no per-token replay hook
+    with pytest.raises(ValueError, match="--train.backend hf"):
+        molt.check_launch(routing, tiny, gpus=8)
+    routing.train.backend = "hf"
+    molt.check_launch(routing, tiny, gpus=8)  # accepted
+    with pytest.raises(ValueError, match="--agent is required"):
+        molt.check_launch(parse(), tiny, gpus=0)
+    molt.check_launch(parse("--algo.estimator", "on_policy_distill", "--ref.model", "tiny"), tiny, gpus=0)
+
+
+def test_estimator_traits_decide_what_a_run_needs():
+    est = molt.ESTIMATORS
+    assert {k for k, e in est.items() if e.groups} == {"reinforce_baseline", "rloo", "grpo", "dr_grpo"}
+    assert {k for k, e in est.items() if e.critic} == {"gae"}
+    assert {k for k, e in est.items() if e.teacher} == {"on_policy_distill"}
+    algo = molt.resolve_loss_defaults(molt.AlgoConfig(kl_coef=0.1))
+    assert molt.kl_in_loss(algo) and not molt.kl_in_advantage(algo)
+    algo.kl_in_reward = True
+    assert not molt.kl_in_loss(algo) and molt.kl_in_advantage(algo)
+    distill = molt.resolve_loss_defaults(molt.AlgoConfig(estimator="on_policy_distill", kl_coef=0.1))
+    assert not molt.kl_in_loss(distill) and molt.kl_in_advantage(distill)
