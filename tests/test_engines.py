@@ -238,3 +238,20 @@ def test_router_retries_on_a_dead_engine(ray_cluster, two_engines):
     outs = run(main())
     assert len(outs) == 8 and all(len(o[0].ids) == 300 for o in outs)
     assert router.failures >= 1 and 1 in router.dead
+
+
+def test_a_coalesced_request_survives_a_cancelled_member(engine):
+    """Two episodes' identical first turns travel as one n=2 request; one episode is cancelled (its agent timed out)
+    while it runs: the other still gets its sample."""
+    router = molt.Router([engine])
+
+    async def main():
+        start = (await engine.stats.remote())["generated"]
+        req = molt.EngineRequest(PROMPT, sampling=sampled(200))
+        a = asyncio.ensure_future(router.generate(req, "a"))
+        b = asyncio.ensure_future(router.generate(req, "b"))
+        await until_generated(engine, 8, start)
+        a.cancel()
+        return await asyncio.wait_for(b, 120)
+    [c] = run(main())
+    assert len(c.ids) == 200 and router.inflight == [0]

@@ -10,19 +10,22 @@ class FakePool:
     """Stands in for an AgentPool actor: run_group.remote(row, ...) gives an awaitable GroupOut of n one-token episodes,
     sampled at the version the row names, rewarded with the row's reward (default 1)."""
 
-    def __init__(self):
-        self.run_group = self
+    def __init__(self, dead=False):
+        self.run_group, self.dead = self, dead
         self.calls = 0
 
-    def remote(self, row, n, sampling, group_id):
+    def remote(self, row, n, sampling, group_id, index=-1, epoch=-1):
         self.calls += 1
-        return asyncio.ensure_future(self.group(row, n, group_id))
+        return asyncio.ensure_future(self.group(row, n, group_id, index, epoch))
 
-    async def group(self, row, n, group_id):
+    async def group(self, row, n, group_id, index, epoch):
         await asyncio.sleep(0)
+        if self.dead:
+            import ray
+            raise ray.exceptions.RayActorError()
         out = []
         for k in range(n):
-            s = molt.Sample(group_id=group_id, rollout_id=f"{group_id}-{k}", info={"idx": row["idx"]})
+            s = molt.Sample(group_id=group_id, rollout_id=f"{group_id}-{k}", prompt_index=index, epoch=epoch)
             s.add_context([5, 6])
             s.add_turn(molt.Completion([7], [-0.5], [row.get("version", 0)], "stop"))
             s.reward = s.score = row.get("rewards", [1.0] * n)[k]
@@ -41,13 +44,13 @@ def manager(data, state=None, **overrides):
 
 
 def batches(m, k, version=0):
-    async def main():
-        return [await m.get_batch(version) for _ in range(k)]
+    async def main():  # bounded: a manager that drops every group would loop forever
+        return [await asyncio.wait_for(m.get_batch(version), 30) for _ in range(k)]
     return asyncio.run(main())
 
 
 def prompts(batch):
-    return [s.info["idx"] for s in batch.samples[::2]]  # one per group (n = 2 samples each)
+    return [s.prompt_index for s in batch.samples[::2]]  # one per group (n = 2 samples each)
 
 
 def test_staleness_exactly_at_the_bound_is_kept_and_one_past_is_dropped():
@@ -65,6 +68,7 @@ def test_the_data_cursor_survives_a_checkpoint_in_order():
     head = [prompts(b) for b in batches(first, 4)]
     state = first.state()
     assert state["cursor"] == 1 and state["epoch"] == 1 and state["unfinished"] == []  # synchronous: nothing in flight
+    assert state["finished"] == []  # and nothing finished ahead
     tail = [prompts(b) for b in batches(manager(rows(7), state), 2)]
     assert head + tail == straight
     assert sorted(p for b in straight[:3] for p in b) + [straight[3][0]] == [0, 1, 2, 3, 4, 5, 6]  # one epoch, once each
@@ -86,3 +90,34 @@ def test_synchronous_mode_generates_exactly_the_batch_and_nothing_ahead():
             await asyncio.sleep(0)
         return m.pools[0].calls, len(m.finished), len(m.tasks)
     assert asyncio.run(main()) == (2, 0, 0)
+
+
+def test_async_state_holds_finished_groups_and_prompts_in_flight_and_restores_them():
+    """A checkpoint of an async run: groups finished but not trained come back first (same Samples), prompts in
+    flight are re-issued before the cursor moves on; over the two lineages every prompt is trained exactly once."""
+    m = manager(rows(10), **{"train.async_queue_size": 2, "rollout.groups_in_flight": 3, "data.shuffle": False})
+
+    async def first_part():
+        first = await m.get_batch(0)
+        for _ in range(10):
+            await asyncio.sleep(0)  # let it run ahead
+        return first, m.state()
+    first, state = asyncio.run(first_part())
+    assert state["finished"] and all(isinstance(s, molt.Sample) for g in state["finished"] for s in g)
+    restored = manager(rows(10), state, **{"train.async_queue_size": 2, "rollout.groups_in_flight": 3,
+                                           "data.shuffle": False})
+    rest = batches(restored, 4)
+    assert {s.rollout_id for s in state["finished"][0]} <= {s.rollout_id for s in rest[0].samples}  # trained first
+    trained = prompts(first) + [p for b in rest for p in prompts(b)]
+    assert sorted(trained) == list(range(10))  # each of the epoch's prompts once: none lost, none twice
+
+
+def test_a_bad_row_or_a_dead_pool_costs_that_work_only():
+    m = manager(rows(4), **{"data.shuffle": False})
+    m.pools.insert(0, FakePool(dead=True))  # the first group goes to a pool that died: it is re-issued
+    [b] = batches(m, 1)
+    assert sorted(prompts(b)) == [0, 1] and m.dead_pools == {0}
+    out = asyncio.run(m.evaluate(rows(3), 2))  # evaluation only uses the living pool
+    assert out["eval/failed"] == 0 and out["eval/reward_mean"] == 1.0
+    m.keep(molt.GroupOut([], {}, 0, {"bad_row": 1}))
+    assert m.counts["rollout/dropped/bad_row"] == 1

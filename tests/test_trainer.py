@@ -62,8 +62,9 @@ def test_synced_engine_matches_the_trainer(ray_cluster, engine, tiny):
     molt.learn(cfg, {"policy": group}, make_samples())
     version = run(engine.stats.remote())["version"] + 1
     sync = molt.WeightSync(cfg, group, [engine])
-    out = sync.start(version)
-    out.update(sync.wait())
+    sync.start(version)
+    sync.wait()
+    out = sync.take()
     try:
         assert out["sync/stale_params"] == 0 and out["sync/bytes"] > 0
         [c] = run(engine.generate.remote(molt.EngineRequest([5, 6, 7, 8], sampling={
