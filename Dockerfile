@@ -4,6 +4,9 @@
 FROM nvcr.io/nvidia/pytorch:25.10-py3
 
 ENV PIP_NO_CACHE_DIR=1
+# bubblewrap isolates model-written code (rewards/sandbox.py); run the container with user namespaces allowed
+# (e.g. docker run --security-opt seccomp=unconfined, or a profile that permits unshare)
+RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap=0.* && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/molt
 COPY pyproject.toml README.md LICENSE molt.py ./
 RUN python -m pip install --no-cache-dir "vllm==0.32.0" "nemo-automodel==0.7.0" "transformers==5.18.0" \

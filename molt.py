@@ -80,7 +80,12 @@ class DataConfig:
     split: str = _f("train", "split to take from an HF dataset / DatasetDict")
     prompt_key: str = _f("prompt", "row field with the prompt: a string or a list of chat messages")
     label_key: str = _f("label", "row field with whatever the reward needs")
-    image_key: str = _f("images", "row field with images (paths, bytes, data URIs or PIL images)")
+    image_key: str = _f("images", "row field with images: data URIs, bytes, HF image dicts, or paths under the data "
+                        "set's own directory (or --data.media-root)")
+    media_root: str = _f("", "directory image paths in data rows may point into (default: the data file's own)")
+    image_max_mb: float = _f(16.0, "largest image accepted, in MiB, checked before decoding (rows, requests, tool "
+                             "output)")
+    image_max_pixels: int = _f(16_000_000, "most pixels an image may have, read from its header before decoding")
     tools_key: str = _f("tools", "row field with OpenAI tool schemas offered to the model")
     max_len: int = _f(2048, "context budget per episode: prompt + every turn (also the engines' max model length)")
     max_prompts: int = _f(0, "use only the first N prompts (0 = all)")
@@ -514,7 +519,7 @@ class Result:
     observation: Any = ""  # next user message: a string, or a list of chat messages (e.g. role "tool")
     terminated: bool = True
     truncated: bool = False
-    info: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)  # numbers logged per step (mean over episodes; reward/* keys summed)
     score: Any = None  # what dynamic filtering and dashboards look at (None: the reward)
     images: list | None = None  # images shown with the next observation (Env) or recorded with the episode
     sampling_params: dict | None = None  # Env: new sampling settings for the following turns
@@ -589,6 +594,23 @@ async def close_clients():
     """Close the shared SDK clients of the running event loop (for code that runs many loops, like tests)."""
     for client in _CLIENTS.pop(asyncio.get_running_loop(), {}).values():
         await client.close()
+
+
+_OFFLOAD: list = []  # the thread pool of offload(), made on first use
+
+
+async def offload(fn, *args, timeout: float | None = None, **kwargs):
+    """Run synchronous work (a grader, a tool, a sandbox, a reward model) off the agent pool's event loop, so the
+    pool's other episodes go on meanwhile. Agent code must use it for anything slower than a few milliseconds: a
+    blocking call made directly in Env.step or ChatAgent.run stalls every episode of the pool (Molt warns when that
+    happens). --rollout.agent-timeout cancels the waiting episode at its deadline, and `timeout` sets a tighter one
+    for this call (TimeoutError); the call itself runs to its end in its thread, so it needs a hard limit of its own
+    (rewards/sandbox.py and rewards/math_grader.py kill their processes at theirs)."""
+    from concurrent.futures import ThreadPoolExecutor
+    if not _OFFLOAD:
+        _OFFLOAD.append(ThreadPoolExecutor(max_workers=64, thread_name_prefix="molt-offload"))
+    call = asyncio.get_running_loop().run_in_executor(_OFFLOAD[0], lambda: fn(*args, **kwargs))
+    return await asyncio.wait_for(call, timeout)
 
 
 class ChatAgent:
@@ -1253,40 +1275,85 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     return (kept.strip() if calls else text), calls
 
 
-def load_image(ref):
-    """PIL images, bytes, data URIs, base64 strings, local paths and HF image dicts -> RGB PIL image."""
+def load_image(ref, roots: tuple = (), max_mb: float = 16.0, max_pixels: int = 16_000_000):
+    """-> RGB PIL image. Accepted: a PIL image, bytes, a data URI or base64 string, an HF image dict, and a local path
+    only when it lies under one of roots (the data set's own directory): never any other file of the host, never a
+    URL. Checked before decoding: at most max_mb, a regular file, at most max_pixels (from the header;
+    PIL's decompression-bomb guard is an error here). Anything else raises ValueError."""
     from PIL import Image
-    if isinstance(ref, Image.Image):
-        return ref.convert("RGB")
     if isinstance(ref, dict):
         ref = ref.get("bytes") or ref.get("path") or (ref.get("image_url") or {}).get("url") or ref.get("url")
-    if isinstance(ref, str) and ref.startswith("data:"):
-        ref = base64.b64decode(ref.split(",", 1)[1])
-    elif isinstance(ref, str) and ref.startswith("file://"):
-        ref = ref[len("file://"):]
-    elif isinstance(ref, str) and ref.startswith(("http://", "https://")):
-        raise ValueError("image URLs are not fetched: send images as data URIs or files")
-    elif isinstance(ref, str) and not os.path.exists(ref) and len(ref) > 256:
-        ref = base64.b64decode(ref)
-    return Image.open(io.BytesIO(ref) if isinstance(ref, (bytes, bytearray)) else ref).convert("RGB")
+    if isinstance(ref, Image.Image):
+        return _checked(ref, max_pixels).convert("RGB")
+    if isinstance(ref, str) and (ref.startswith("data:") or not roots):
+        payload = ref.split(",", 1)[1] if ref.startswith("data:") else ref
+        if len(payload) * 3 / 4 > max_mb * 2**20:
+            raise ValueError(f"image larger than {max_mb:g} MiB")
+        try:
+            ref = base64.b64decode(payload, validate=True)
+        except ValueError:
+            raise ValueError("an image must be a data URI or base64 bytes here (paths, URLs and file:// are refused)")
+    elif isinstance(ref, str):
+        ref = _read_under(ref, roots, max_mb)
+    if not isinstance(ref, (bytes, bytearray)) or len(ref) > max_mb * 2**20:
+        raise ValueError(f"not an image of at most {max_mb:g} MiB: {type(ref).__name__}")
+    import warnings
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(ref)) as im:
+                return _checked(im, max_pixels).convert("RGB")
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as err:
+        raise ValueError(f"image larger than {max_pixels} pixels ({err})") from None
+
+
+def _checked(im, max_pixels: int):
+    if im.width * im.height > max_pixels:
+        raise ValueError(f"image of {im.width}x{im.height} pixels is larger than {max_pixels} pixels")
+    return im
+
+
+def _read_under(path: str, roots: tuple, max_mb: float) -> bytes:
+    """The bytes of a regular file under one of roots (after resolving links), opened without blocking (a FIFO named
+    a.png cannot hang us) and checked on the open descriptor."""
+    import stat
+    bases = [os.path.realpath(r) for r in roots]
+    real = os.path.realpath(path if os.path.isabs(path) else os.path.join(bases[0], path))
+    if not any(os.path.commonpath([real, base]) == base for base in bases):
+        raise ValueError(f"image path {path!r} is outside {', '.join(bases)} (the data's directory, or "
+                         "--data.media-root)")
+    fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > max_mb * 2**20:
+            raise ValueError(f"image {path!r} is not a regular file of at most {max_mb:g} MiB")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    finally:
+        os.close(fd)
 
 
 def image_data_uri(image) -> str:
     buf = io.BytesIO()
-    load_image(image).save(buf, format="PNG")
+    image.convert("RGB").save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def message_images(messages: list[dict]) -> list:
+def image_parts(messages: list[dict]) -> list[dict]:
+    """The image parts of OpenAI-shaped messages (not decoded)."""
+    return [p for m in messages for p in (m.get("content") if isinstance(m.get("content"), list) else [])
+            if isinstance(p, dict) and p.get("type") in ("image_url", "image")]
+
+
+def message_images(messages: list[dict], data: "DataConfig") -> list:
+    """Decode the images of a request: data URIs or base64 only (a client never names a host file), within the caps."""
     out = []
-    for m in messages:
-        for part in m.get("content") if isinstance(m.get("content"), list) else []:
-            if isinstance(part, dict) and part.get("type") in ("image_url", "image"):
-                try:
-                    out.append(load_image(part.get("image_url", {}).get("url") if part["type"] == "image_url"
-                                          else part.get("image")))
-                except Exception as err:  # noqa: BLE001 - any undecodable image is the client's error
-                    raise WireError(400, f"cannot read image: {err}")
+    for part in image_parts(messages):
+        ref = (part.get("image_url") or {}).get("url") if part["type"] == "image_url" else part.get("image")
+        try:
+            out.append(load_image(ref, (), data.image_max_mb, data.image_max_pixels))
+        except Exception as err:  # noqa: BLE001 - any unreadable or refused image is the client's error
+            raise WireError(400, f"cannot use image: {err}")
     return out
 
 
@@ -1427,8 +1494,8 @@ class LoopbackServer:
         msgs, tools = turn.messages, turn.tools
         if msgs == s.last_messages and tools == s.last_tools and s.last_reply is not None:
             return s.last_reply  # an identical re-send (a client retry): served from cache, nothing sampled
-        images = message_images(msgs)
-        _require(not images or self.codec.processor is not None, "this model does not take images")
+        _require(not image_parts(msgs) or self.codec.processor is not None, "this model does not take images")
+        images = await asyncio.to_thread(message_images, msgs, self.cfg.data)  # decoding is slow: off the loop
         text, new_images, seg = self.new_context(s, msgs, tools, images)
         ids, _, mm = await self.codec.encode_async(text, new_images)
         context = (seg.tokens if seg else []) + ids
@@ -1458,7 +1525,8 @@ class LoopbackServer:
         prefix = self.codec.render(msgs[:n + 1], tools, generation=False)
         if not full.startswith(prefix):  # the template re-rendered an earlier turn
             return full, images, None
-        return self.codec.closing(seg.tokens) + full[len(prefix):], message_images(msgs[n + 1:]), seg
+        new = len(image_parts(msgs[n + 1:]))  # the images of the new messages: the last ones
+        return self.codec.closing(seg.tokens) + full[len(prefix):], images[len(images) - new:], seg
 
     def reply(self, c: Completion, tools, prompt_tokens: int) -> Reply:
         raw = self.codec.decode(c.ids)
@@ -1581,9 +1649,13 @@ class AgentPool:
 
     def __init__(self, cfg: Config, agent_path: str, model_path: str, engines: list):
         self.cfg = cfg
+        # reward helpers the agent loads (rewards/sandbox.py) apply the same image caps to what tools save
+        os.environ.update(MOLT_IMAGE_MAX_MB=str(cfg.data.image_max_mb),
+                          MOLT_IMAGE_MAX_PIXELS=str(cfg.data.image_max_pixels))
         self.runner = load_agent(agent_path) if agent_path else None
         self.codec, self.router = Codec(model_path), Router(engines)
         self.server = LoopbackServer(cfg, self.codec, self.router)
+        self.watchdog = None
 
     def ping(self) -> bool:
         """Answers once the constructor ran: an agent module that fails to import fails the launch, clearly."""
@@ -1599,15 +1671,28 @@ class AgentPool:
         sample.add_turn(c)
         return c
 
+    async def watch_loop(self, period: float = 0.5, warn_after: float = 2.0):
+        """Warn when agent code blocks this pool's event loop: every other episode of the pool waits meanwhile."""
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(period)
+            lag = time.perf_counter() - t0 - period
+            if lag > warn_after:
+                print(f"[agent] this agent pool's event loop was blocked for {lag:.1f} s: agent code ran synchronous "
+                      "work on it and every other episode of the pool waited; run such work with "
+                      "`await molt.offload(fn, ...)`", file=sys.stderr)
+
     async def run_group(self, row: dict, n: int, sampling: dict, group_id: str, index: int = -1,
                         epoch: int = -1) -> GroupOut:
         """n episodes of one prompt (data row `index`, drawn in `epoch`), concurrently. A failing episode costs itself
         (counted), never the group; a row that cannot be used (an unreadable image) costs itself, never the run."""
         d = self.cfg.data
+        if self.watchdog is None:
+            self.watchdog = asyncio.ensure_future(self.watch_loop())
         if isinstance(self.runner, ChatAgentRunner):
             await self.server.start()
         try:
-            images = await asyncio.to_thread(lambda: [load_image(x) for x in row.get(d.image_key) or []])
+            images = await asyncio.to_thread(self.row_images, row)
             prompt = row[d.prompt_key]
         except Exception as err:  # noqa: BLE001 - a bad row is the data's fault: skipped and counted
             print(f"[rollout] skipping data row {index}: {type(err).__name__}: {err}", file=sys.stderr)
@@ -1623,6 +1708,15 @@ class AgentPool:
             s.images = []  # the trainer needs the processor tensors in s.mm, not the PIL images
             s.prompt_index, s.epoch = index, epoch
         return GroupOut(samples, failures, self.router.failures)
+
+    def row_images(self, row: dict) -> list:
+        """A data row's images, decoded within the caps; paths only under the data set's own directory."""
+        d, refs = self.cfg.data, row.get(self.cfg.data.image_key) or []
+        if refs and self.codec.processor is None:
+            raise ValueError("the row has images but the model is text-only")
+        roots = (d.media_root,) if d.media_root else \
+            tuple(os.path.dirname(os.path.abspath(p)) for p in (d.path, d.eval_path) if p)
+        return [load_image(x, roots, d.image_max_mb, d.image_max_pixels) for x in refs]
 
     async def run_episode(self, ep: Episode, failures: dict) -> list[Sample]:
         kind = None
@@ -3063,10 +3157,17 @@ AgentRunner = StepEnvRunner(DistillEnv)  # the built-in agent of on_policy_disti
 
 
 def step_metrics(samples: list[Sample], version: int) -> dict:
-    """What the batch looked like: rewards (each episode once), tokens, staleness and finish reasons."""
+    """What the batch looked like: rewards (each episode once), tokens, staleness, finish reasons, and the numbers
+    agents report in Result.info: their mean over episodes, except counters under reward/ (a grader's timeouts or
+    unparsed answers), which are summed."""
     episodes = {s.rollout_id: s.reward for s in samples}
+    infos = list({s.rollout_id: s.info for s in samples}.values())
     stale = [version - oldest_version(s) for s in samples]
-    return {"reward/mean": sum(episodes.values()) / len(episodes), "samples": len(samples),
+    reported = {}
+    for key in {k for info in infos for k in info}:
+        values = [info[key] for info in infos if key in info]
+        reported[key] = sum(values) if key.startswith("reward/") else sum(values) / len(values)
+    return {**reported, "reward/mean": sum(episodes.values()) / len(episodes), "samples": len(samples),
             "episodes": len(episodes), "tokens/generated": sum(sum(s.mask) for s in samples),
             "tokens/total": sum(len(s.tokens) for s in samples), "rollout/staleness_max": max(stale),
             "rollout/staleness_mean": sum(stale) / len(stale),

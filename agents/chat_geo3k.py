@@ -3,7 +3,6 @@ with any plot the code saved attached as an image. Same data and grading as agen
 
     python molt.py --agent agents/chat_geo3k.py
 """
-import asyncio
 import os
 
 import molt
@@ -12,6 +11,7 @@ from molt import ChatAgent, ChatAgentRunner, Result
 HERE = os.path.dirname(os.path.abspath(__file__))
 grader = molt.import_path(os.path.join(HERE, "..", "rewards", "math_grader.py"))
 sandbox = molt.import_path(os.path.join(HERE, "..", "rewards", "sandbox.py"))
+sandbox.require()  # no sandbox, no launch: it fails here, at start, saying how to get bubblewrap
 
 DEFAULTS = {"model": "tiny-vl", "data.path": os.path.join(HERE, "..", "examples", "geo3k_tiny.jsonl"),
             "rollout.max_new_tokens": 128, "rollout.n_samples_per_prompt": 4, "rollout.batch_size": 4,
@@ -30,15 +30,16 @@ class ChatGeo3k(ChatAgent):
             if not msg.tool_calls:
                 break
             for call in msg.tool_calls:
-                out, images = await asyncio.to_thread(sandbox.run_python, sandbox.tool_code(
+                out, images = await molt.offload(sandbox.run_python, sandbox.tool_code(
                     {"arguments": call.function.arguments}) or "", with_images=True)
                 content = [{"type": "text", "text": out}] + [
                     {"type": "image_url", "image_url": {"url": molt.image_data_uri(img)}} for img in images]
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
                 tool_calls += 1
         answer = next((m.get("content") or "" for m in reversed(messages) if m["role"] == "assistant"), "")
-        reward = grader.grade(answer if isinstance(answer, str) else "", ctx.label)
-        return Result(reward=reward, info={"geo3k/correct": reward, "geo3k/tool_calls": tool_calls})
+        verdict = await molt.offload(grader.grade_verdict, answer if isinstance(answer, str) else "", ctx.label)
+        reward = float(verdict.correct)
+        return Result(reward=reward, info={"geo3k/correct": reward, "geo3k/tool_calls": tool_calls, **verdict.info()})
 
 
 AgentRunner = ChatAgentRunner(ChatGeo3k)

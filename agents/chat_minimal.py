@@ -21,8 +21,9 @@ class MinimalChat(ChatAgent):
         reply = await ctx.openai().chat.completions.create(model=ctx.model_name, messages=ctx.messages,
                                                      max_tokens=ctx.sampling_params.get("max_tokens"),
                                                      temperature=ctx.sampling_params.get("temperature"))
-        reward = grader.grade(reply.choices[0].message.content or "", ctx.label)
-        return Result(reward=reward, info={"math/correct": reward})
+        verdict = await molt.offload(grader.grade_verdict, reply.choices[0].message.content or "", ctx.label)
+        reward = float(verdict.correct)
+        return Result(reward=reward, info={"math/correct": reward, **verdict.info()})
 
 
 AgentRunner = ChatAgentRunner(MinimalChat)

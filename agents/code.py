@@ -1,10 +1,13 @@
-"""Code generation: the model writes a function; the reward is the fraction of hidden unit tests that pass when
-its code runs in the sandbox (rewards/sandbox.py: time, memory, process and network limits).
+"""Code generation: the model writes a function; the reward is the fraction of hidden unit tests it passes.
+
+The solution runs in the sandbox (rewards/sandbox.py: bubblewrap, no network, limits). A test `assert CALL == LITERAL`
+is split outside the sandbox: only CALL goes in, its value comes back as repr(), and the comparison with LITERAL
+happens here, so the solution never sees an expected value and cannot report a pass: exiting early, printing a fake
+result or rebinding builtins scores 0. (A bare `assert EXPR` expects True, which a solution could guess: prefer tests
+that compare with a value.)
 
     python molt.py --agent agents/code.py
 """
-import asyncio
-import json
 import os
 import re
 
@@ -13,6 +16,7 @@ from molt import Env, Result, StepEnvRunner
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sandbox = molt.import_path(os.path.join(HERE, "..", "rewards", "sandbox.py"))
+sandbox.require()  # no sandbox, no launch: it fails here, at start, saying how to get bubblewrap
 
 DEFAULTS = {"data.path": os.path.join(HERE, "..", "examples", "code_tiny.jsonl"), "rollout.max_new_tokens": 128,
             "rollout.n_samples_per_prompt": 4, "rollout.batch_size": 4, "steps": 10}
@@ -26,12 +30,12 @@ def extract_code(text: str) -> str:
 
 
 def pass_fraction(code: str, tests: list[str]) -> float:
-    """Run the code, then each test (an assert statement) in the same sandboxed process; count the passes."""
-    harness = code + "\n\n_tests, _passed = " + json.dumps(tests) + ", 0\nfor _t in _tests:\n    try:\n" \
-        "        exec(_t)\n        _passed += 1\n    except BaseException:\n        pass\nprint('@@passed', _passed)\n"
-    out = sandbox.run_python(harness)
-    found = re.findall(r"@@passed (\d+)", out)
-    return int(found[-1]) / len(tests) if found and tests else 0.0
+    """The share of tests whose call returns the expected value, in [0, 1]."""
+    if not tests:
+        return 0.0
+    calls, expected = zip(*(sandbox.split_test(t) for t in tests))
+    values = sandbox.call_functions(code, list(calls))
+    return sum(sandbox.matches(v, e) for v, e in zip(values, expected)) / len(tests)
 
 
 class Code(Env):
@@ -40,7 +44,7 @@ class Code(Env):
         return prompt
 
     async def step(self, action: str) -> Result:
-        reward = await asyncio.to_thread(pass_fraction, extract_code(action), self.tests)
+        reward = await molt.offload(pass_fraction, extract_code(action), self.tests)
         return Result(reward=reward, info={"code/pass_fraction": reward, "code/all_pass": float(reward == 1.0)})
 
 

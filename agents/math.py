@@ -18,8 +18,10 @@ DEFAULTS = {"data.path": os.path.join(HERE, "..", "examples", "math_tiny.jsonl")
 class MathEnv(Env):  # Env.reset keeps the label as self.label and shows the prompt
     async def step(self, action: str) -> Result:
         answer = grader.extract_answer(action)
-        reward = float(grader.is_equiv(answer, self.label))
-        return Result(reward=reward, info={"math/correct": reward, "math/missing_answer": float(answer is None)})
+        verdict = await molt.offload(grader.check, answer, grader.label_answer(self.label))  # off the event loop
+        reward = float(verdict.correct)
+        return Result(reward=reward, info={"math/correct": reward, "math/missing_answer": float(answer is None),
+                                           **verdict.info()})
 
 
 AgentRunner = StepEnvRunner(MathEnv)

@@ -1,15 +1,54 @@
-"""Math answer grading: extract the final answer from a response and decide whether it equals the label.
+"""Math answer grading: the thin adapter the agents import. Nothing the model writes is evaluated as Python by the host.
 
-    extract_answer(text)  -> the last \\boxed{...} (nested braces allowed), else "the answer is X", else the last number
-    is_equiv(given, truth) -> numbers, fractions (a/b, \\frac{a}{b}, \\dfrac), percentages, degrees, simple LaTeX,
-                              tuples; sympy decides symbolic cases when it is installed.
-    grade(response, label) -> 1.0 or 0.0
+Answers that are plain numbers (integers, decimals, fractions, percentages, degrees) are compared exactly here, with
+no evaluation at all. Everything else goes to HF's math-verify (the verifier TRL and open-r1 use), with the answer
+parsed as LaTeX only (its plain-expression parser would run sympy's parse_expr, which evaluates Python), in a
+sandboxed worker process (rewards/sandbox.py: bubblewrap, no network, no writable host path), one fresh fork per call,
+killed at a hard deadline: an answer like \\boxed{9^9^9} costs one call's time limit, never the run's. A timeout or a
+parse failure scores 0 and is counted in the episode's info (reward/grader_timeouts, reward/grader_unparsed).
+
+    extract_answer(text)   -> the last \\boxed{...}, else "the answer is X", else the last number (or None)
+    check(response, label) -> Verdict(correct, timeout, unparsed)
+    grade(response, label) -> 1.0 or 0.0                        (blocking: from async code, await molt.offload(grade, ...))
+    is_equiv(given, truth) -> bool
 """
+import os
+import queue
 import re
+from dataclasses import dataclass
 from fractions import Fraction
 
+import molt
+
+sandbox = molt.import_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox.py"))
+
+TIMEOUT = float(os.environ.get("MOLT_GRADER_TIMEOUT", 5))
+WORKERS = int(os.environ.get("MOLT_GRADER_WORKERS", min(4, os.cpu_count() or 1)))
+ANSWER_CHARS = 2000  # a longer answer is not an answer
 ANSWER_PHRASE = re.compile(r"(?:final answer|answer)\s*(?:is|:|=)\s*([^\n]+)", re.IGNORECASE)
 NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
+
+# Runs inside the sandboxed worker: LaTeX parsing only, for the answer and the label alike.
+VERIFIER = r'''
+from math_verify import LatexExtractionConfig, parse, verify
+CONFIG = [LatexExtractionConfig(boxed_match_priority=0)]
+def handler(req):
+    gold = parse(req["gold"], extraction_config=CONFIG, parsing_timeout=None)
+    answer = parse(req["answer"], extraction_config=CONFIG, parsing_timeout=None)
+    if not gold or not answer:
+        return {"correct": False, "unparsed": True}
+    return {"correct": bool(verify(gold, answer, timeout_seconds=None)), "unparsed": False}
+'''
+
+
+@dataclass
+class Verdict:
+    correct: bool
+    timeout: bool = False
+    unparsed: bool = False
+
+    def info(self) -> dict:
+        return {"reward/grader_timeouts": float(self.timeout), "reward/grader_unparsed": float(self.unparsed)}
 
 
 def last_boxed(text: str) -> str | None:
@@ -39,61 +78,76 @@ def extract_answer(text: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
-def _strip_latex(s: str) -> str:
+def _plain(s: str) -> str:
+    """The answer without what never changes its value: $, \\left/\\right, \\text{}, degrees, percent, a leading
+    'x =', trailing units, spaces and thousands separators."""
     s = s.strip().strip("$").strip()
     s = re.sub(r"\\(left|right|displaystyle|!|,|;|quad)", "", s)
     s = re.sub(r"\\text\{\s*([^{}]*)\}", r"\1", s)
     s = re.sub(r"\^\{?\\circ\}?|°|\\degree", "", s)
     s = s.replace("\\%", "").replace("%", "").replace("\\$", "")
-    s = re.sub(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", s)
-    s = re.sub(r"\\[dt]?frac(\d)(\d)", r"\1/\2", s)
-    s = re.sub(r"\\sqrt\{([^{}]*)\}", r"sqrt(\1)", s)
-    s = re.sub(r"^[a-zA-Z]\s*=\s*", "", s)  # "x = 3" -> "3"
+    s = re.sub(r"^[a-zA-Z]\s*=\s*", "", s)
     s = re.sub(r"\s*(units?|degrees?|cm|m|km|inches|feet|meters?)$", "", s)
-    return s.replace(" ", "").replace("{", "").replace("}", "").replace(",", "") if not _is_tuple(s) else s
+    s = re.sub(r"\\[dt]?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", s)
+    return s.replace(" ", "")
 
 
-def _is_tuple(s: str) -> bool:
-    return len(s) > 2 and s[0] in "([" and s[-1] in ")]" and "," in s
-
-
-def _number(s: str):
+def _number(s: str) -> Fraction | None:
+    """An exact value for integers, decimals and a/b written plainly (or with thousands separators); else None."""
+    if not re.fullmatch(r"-?\d{1,60}(?:,\d{3})*(?:\.\d{1,60})?(?:/\d{1,60})?", s):
+        return None
     try:
-        return Fraction(s.replace("(", "").replace(")", "")) if re.fullmatch(r"[-+()\d./]+", s) else None
+        return Fraction(s.replace(",", ""))
     except (ValueError, ZeroDivisionError):
         return None
 
 
-def _sympy_equal(a: str, b: str) -> bool:
+_POOL: queue.Queue | None = None
+
+
+def _worker() -> "sandbox.SandboxWorker":
+    global _POOL
+    if _POOL is None:
+        sandbox.require()
+        _POOL = queue.Queue()
+        for _ in range(WORKERS):
+            _POOL.put(sandbox.SandboxWorker(VERIFIER))
+    return _POOL.get()
+
+
+def check(given: str | None, truth) -> Verdict:
+    """Is the extracted answer `given` equal to `truth`? Plain numbers are compared here; the rest in the sandbox."""
+    if given is None or truth is None:
+        return Verdict(False)
+    a, b = _plain(str(given)), _plain(str(truth))
+    if not a or not b or len(a) > ANSWER_CHARS:
+        return Verdict(False, unparsed=bool(a))
+    x, y = _number(a), _number(b)
+    if x is not None and y is not None:
+        return Verdict(x == y)
+    if a == b:
+        return Verdict(True)
+    worker = _worker()
     try:
-        import sympy
-        from sympy.parsing.sympy_parser import (implicit_multiplication_application, parse_expr,
-                                                standard_transformations)
-        rules = standard_transformations + (implicit_multiplication_application,)
-        x, y = (parse_expr(t.replace("^", "**"), transformations=rules) for t in (a, b))
-        return bool(sympy.simplify(x - y) == 0)
-    except Exception:  # noqa: BLE001 - sympy missing or the text is not an expression
-        return False
+        out = worker.call({"gold": f"${b}$", "answer": f"${a}$"}, TIMEOUT)
+    finally:
+        _POOL.put(worker)
+    return Verdict(bool(out.get("correct")), timeout=bool(out.get("timeout")), unparsed=bool(out.get("unparsed")))
 
 
 def is_equiv(given: str | None, truth) -> bool:
-    if given is None or truth is None:
-        return False
-    a, b = _strip_latex(str(given)), _strip_latex(str(truth))
-    if not a or not b:
-        return False
-    if a == b:
-        return True
-    if _is_tuple(a) and _is_tuple(b):
-        xs, ys = a[1:-1].split(","), b[1:-1].split(",")
-        return a[0] == b[0] and len(xs) == len(ys) and all(is_equiv(x, y) for x, y in zip(xs, ys))
-    x, y = _number(a), _number(b)
-    if x is not None and y is not None:
-        return x == y
-    return _sympy_equal(a, b)
+    return check(given, truth).correct
+
+
+def label_answer(label):
+    if isinstance(label, dict):
+        return next((label[k] for k in ("ground_truth", "answer", "label", "target") if k in label), None)
+    return label
+
+
+def grade_verdict(response: str, label) -> Verdict:
+    return check(extract_answer(response or ""), label_answer(label))
 
 
 def grade(response: str, label) -> float:
-    if isinstance(label, dict):
-        label = next((label[k] for k in ("ground_truth", "answer", "label", "target") if k in label), None)
-    return float(is_equiv(extract_answer(response), label))
+    return float(grade_verdict(response, label).correct)

@@ -6,8 +6,9 @@ fixed.
     .venv/bin/python scripts/mutation_check.py                 # every mutation
     .venv/bin/python scripts/mutation_check.py --only staleness --list
 
-Each mutation is (name, the invariant it breaks, the exact text in molt.py, its replacement, the tests that must fail).
-A pattern that no longer occurs exactly once is reported as stale: update the list with the code.
+Each mutation is (name, the invariant it breaks, the exact text, its replacement, the tests that must fail[, the file:
+molt.py unless named]). A pattern that no longer occurs exactly once is reported as stale: update the list with the
+code.
 """
 import argparse
 import os
@@ -19,9 +20,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-AG, EN, TR, AL, RO, MO, CF, FA = ("tests/test_agents.py", "tests/test_engines.py", "tests/test_trainer.py",
-                                  "tests/test_algorithms.py", "tests/test_rollout.py", "tests/test_moe.py",
-                                  "tests/test_config.py", "tests/test_faults.py")
+AG, EN, TR, AL, RO, MO, CF, FA, SE = ("tests/test_agents.py", "tests/test_engines.py", "tests/test_trainer.py",
+                                      "tests/test_algorithms.py", "tests/test_rollout.py", "tests/test_moe.py",
+                                      "tests/test_config.py", "tests/test_faults.py", "tests/test_security.py")
+SANDBOX, GRADER = "rewards/sandbox.py", "rewards/math_grader.py"
 
 MUTATIONS = [
     # -- token identity: the sampled ids are the trajectory --------------------------------------------------------
@@ -176,6 +178,34 @@ MUTATIONS = [
     ("automodel-gate-bf16", "MoE: AutoModel's gate keeps its bf16 projection under --actor.fp32-router",
      "gate.gate_precision = gate.score_dtype = torch.float32", "pass",
      [f"{MO}::test_automodel_gates_get_the_fp32_and_freeze_flags"]),
+    # -- the trust boundary ----------------------------------------------------------------------------------------
+    ("image-path-anywhere", "security: a data row's image may be any file of the host",
+     "    if not any(os.path.commonpath([real, base]) == base for base in bases):", "    if False:",
+     [f"{AG}::test_data_row_images_come_only_from_the_data_directory"]),
+    ("image-decode-first", "security: a text-only model decodes a request's images before refusing them",
+     '_require(not image_parts(msgs) or self.codec.processor is not None, "this model does not take images")',
+     '_require(not message_images(msgs, self.cfg.data) or self.codec.processor is not None, '
+     '"this model does not take images")', [f"{AG}::test_a_text_only_model_refuses_images_before_decoding_them"]),
+    ("offload-on-the-loop", "agents: offloaded work runs on the pool's event loop",
+     "    return await asyncio.wait_for(call, timeout)", "    call.cancel()\n    return fn(*args, **kwargs)",
+     [f"{AG}::test_slow_grading_runs_off_the_loop_while_other_episodes_go_on"]),
+    ("sandbox-no-pid-namespace", "security: the sandbox sees (and reads) the host's processes",
+     '"--unshare-pid", ', "", [f"{SE}::test_no_host_secret_comes_back"], SANDBOX),
+    ("sandbox-bwrap-env", "security: bwrap carries the host's environment (API keys) into the sandbox as pid 1",
+     "start_new_session=True, env=BWRAP_ENV)\n    if side:", "start_new_session=True)\n    if side:",
+     [f"{SE}::test_no_host_secret_comes_back"], SANDBOX),
+    ("sandbox-network", "security: the sandbox shares the host's network",
+     '"--unshare-net", ', "", [f"{SE}::test_no_connection_reaches_the_host"], SANDBOX),
+    ("sandbox-writable-python", "security: the interpreter's installation is writable from the sandbox",
+     'argv += ["--ro-bind", root, root]', 'argv += ["--bind", root, root]',
+     [f"{SE}::test_nothing_installed_or_code_changed_persists"], SANDBOX),
+    ("sandbox-no-kill", "security: a timeout kills the sandbox's first process only, not its descendants",
+     "        os.killpg(proc.pid, signal.SIGKILL)", "        proc.kill()",
+     [f"{SE}::test_a_timeout_kills_grandchildren_in_their_own_session"], SANDBOX),
+    ("grader-no-deadline", "security: the grader waits as long as the verifier takes",
+     'out = worker.call({"gold": f"${b}$", "answer": f"${a}$"}, TIMEOUT)',
+     'out = worker.call({"gold": f"${b}$", "answer": f"${a}$"}, 600)',
+     [f"{SE}::test_the_grader_gives_up_at_its_deadline"], GRADER),
 ]
 
 
@@ -187,41 +217,45 @@ def scratch_copy() -> Path:
     return root
 
 
-def run_tests(root: Path, tests: list[str], timeout: int) -> int:
+def run_tests(root: Path, tests: list[str], timeout: int) -> tuple[int, str]:
+    """(pytest's exit code, or -1 past the timeout; the tail of its output)."""
     env = {**os.environ, "PYTHONPATH": str(root)}  # the scratch molt.py, ahead of the editable install
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
     try:
-        return subprocess.run(cmd, cwd=root, env=env, capture_output=True, timeout=timeout).returncode
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return -1
+        return -1, "timed out"
+    return proc.returncode, proc.stdout[-3000:]
 
 
 def main(args):
-    chosen = [m for m in MUTATIONS if not args.only or args.only in m[0] or args.only in m[1]]
+    chosen = [(*m, "molt.py")[:6] for m in MUTATIONS if not args.only or args.only in m[0] or args.only in m[1]]
     if args.list:
-        for name, why, _, _, tests in chosen:
+        for name, why, _, _, tests, _ in chosen:
             print(f"{name:24s} {why}\n{'':24s} -> {', '.join(t.split('::')[-1] for t in tests)}")
         return 0
-    root, original = scratch_copy(), (ROOT / "molt.py").read_text()
+    root = scratch_copy()
     try:
         if not args.no_baseline:  # an unmutated failure would make every mutation look caught
             tests = sorted({t for m in chosen for t in m[4]})
-            if run_tests(root, tests, args.timeout) != 0:
-                print("the unmutated tests fail: fix them first", file=sys.stderr)
+            rc, tail = run_tests(root, tests, args.timeout)
+            if rc != 0:
+                print(f"the unmutated tests fail (exit {rc}): fix them first\n{tail}", file=sys.stderr)
                 return 2
         caught, rows = 0, []
-        for name, why, pattern, replacement, tests in chosen:
+        for name, why, pattern, replacement, tests, path in chosen:
+            original = (root / path).read_text()
             if original.count(pattern) != 1:
-                rows.append(f"STALE   {name}: pattern occurs {original.count(pattern)} times in molt.py")
+                rows.append(f"STALE   {name}: pattern occurs {original.count(pattern)} times in {path}")
                 continue
-            (root / "molt.py").write_text(original.replace(pattern, replacement))
+            (root / path).write_text(original.replace(pattern, replacement))
             t0 = time.time()
-            rc = run_tests(root, tests, args.timeout)
+            rc, _ = run_tests(root, tests, args.timeout)
+            (root / path).write_text(original)
             verdict = "caught" if rc in (1, -1) else ("MISSED" if rc == 0 else f"ERROR rc={rc}")
             caught += verdict == "caught"
             rows.append(f"{verdict:7s} {name:24s} {time.time() - t0:5.0f}s  {why}")
             print(rows[-1], flush=True)
-        (root / "molt.py").write_text(original)
         print(f"\nscore: {caught}/{len(chosen)} caught ({100 * caught / max(1, len(chosen)):.0f} %)")
         for row in rows:
             if not row.startswith("caught"):

@@ -4,6 +4,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 flavour="${1:-cpu}"
+# The sandbox for model-written code (rewards/sandbox.py) runs it under bubblewrap; without bwrap it refuses to run.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null
+  else
+    echo "note: bubblewrap (bwrap) is missing: install it (e.g. sudo apt-get install bubblewrap), or the code sandbox" \
+         "and the recipes that use it (code, geo3k) refuse to run" >&2
+  fi
+fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[${flavour},test]"
@@ -14,4 +23,5 @@ if [ "$flavour" = cpu ]; then
   # torchao's two extension libraries are CUDA kernels (sm90a, mxfp8): on CPU they only print load failures.
   rm -f .venv/lib/python3*/site-packages/torchao/_C_cutlass_90a*.so .venv/lib/python3*/site-packages/torchao/_C_mxfp8*.so
 fi
-.venv/bin/python -c "import torch, torchvision, transformers, vllm, ray, aiohttp, openai, anthropic; print('molt environment ready: torch', torch.__version__, '| vllm', vllm.__version__)"
+.venv/bin/python -c "import torch, torchvision, transformers, vllm, ray, aiohttp, openai, anthropic, math_verify; print('molt environment ready: torch', torch.__version__, '| vllm', vllm.__version__)"
+.venv/bin/python -c "import molt; molt.import_path('rewards/sandbox.py').require(); print('sandbox ready: bubblewrap with user namespaces')"

@@ -4,7 +4,10 @@ import asyncio
 import copy
 import functools
 import json
+import os
+import time
 import uuid
+from pathlib import Path
 
 import aiohttp
 import anthropic
@@ -499,3 +502,141 @@ def test_tool_call_parsing_keeps_invalid_blocks_as_text():
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("f", {"x": 1})]
     assert text == "ok  <tool_call>not json</tool_call>"
     assert molt.parse_tool_calls("plain") == ("plain", [])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Agent code and the pool's event loop: slow work runs off it, blocking it is reported, deadlines hold.
+
+
+class Grading(molt.Env):
+    """label "slow": grades an answer that the verifier cannot finish (its deadline); "fast": three quick turns."""
+    done: dict = {}
+
+    async def step(self, action):
+        if self.label == "slow":
+            grader = molt.import_path(str(Path(__file__).resolve().parent.parent / "rewards" / "math_grader.py"))
+            verdict = await molt.offload(grader.grade_verdict, "\\boxed{9^{9^{9}}}", "1")
+            Grading.done["slow"] = time.perf_counter()
+            return molt.Result(reward=float(verdict.correct), info=verdict.info())
+        self.turn = getattr(self, "turn", 0) + 1
+        Grading.done.setdefault("fast", []).append(time.perf_counter())
+        return molt.Result(reward=1.0, observation="more", terminated=self.turn == 3)
+
+
+def test_slow_grading_runs_off_the_loop_while_other_episodes_go_on(engine, tiny, capsys):
+    async def main():
+        pool = make_pool(engine, tiny)
+        pool.runner = molt.StepEnvRunner(Grading)
+        sampling = {"temperature": 1.0, "max_tokens": 4}
+        return await asyncio.gather(pool.run_group({"prompt": "a", "label": "slow"}, 1, sampling, "s"),
+                                    pool.run_group({"prompt": "b", "label": "fast"}, 4, sampling, "f"))
+    Grading.done = {}
+    slow, fast = run(main())
+    assert slow.samples[0].info["reward/grader_timeouts"] == 1.0 and slow.samples[0].reward == 0.0
+    assert len(fast.samples) == 4 and len(Grading.done["fast"]) == 12
+    assert max(Grading.done["fast"]) < Grading.done["slow"]  # every fast turn finished during the slow grading
+    assert "was blocked" not in capsys.readouterr().err
+
+
+class Blocking(molt.Env):
+    async def step(self, action):
+        if self.label == "sleep":
+            time.sleep(2.5)  # wrong: blocks the pool's loop
+        else:
+            await molt.offload(time.sleep, 30)  # right, but longer than the episode may take
+        return molt.Result(reward=1.0)
+
+
+def test_a_blocked_loop_is_reported_and_the_agent_timeout_holds_for_offloaded_work(engine, tiny, capsys):
+    async def main():
+        pool = make_pool(engine, tiny, **{"rollout.agent_timeout": 2.0})
+        pool.runner = molt.StepEnvRunner(Blocking)
+        t0 = time.perf_counter()
+        slow = await pool.run_group({"prompt": "a", "label": "offload"}, 2, {"max_tokens": 2}, "o")
+        elapsed = time.perf_counter() - t0
+        await pool.run_group({"prompt": "b", "label": "sleep"}, 1, {"max_tokens": 2}, "s")
+        await asyncio.sleep(1.0)  # the watchdog's next tick sees the gap
+        return slow, elapsed
+    slow, elapsed = run(main())
+    assert slow.failures == {"timeout": 2} and elapsed < 10
+    assert "event loop was blocked for" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Image intake: only data URIs, bytes and files under the data's own directory; caps before decoding.
+
+
+def png_bytes(size, color=(0, 0, 0)):
+    import io
+    buf = io.BytesIO()
+    Image.new("RGB" if len(size) == 2 else "L", size[:2], color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+BOMB = png_bytes((12000, 12000))  # 144 Mpixels in ~400 KiB
+
+
+def data_uri(raw: bytes) -> str:
+    import base64
+    return "data:image/png;base64," + base64.b64encode(raw).decode()
+
+
+@pytest.mark.parametrize("url, message", [
+    ("/etc/hostname", "data URI"), ("file:///etc/hostname", "data URI"), ("http://example.com/a.png", "data URI"),
+    (data_uri(BOMB), "pixels"), ("data:image/png;base64," + "A" * (24 << 20), "larger than"),
+])
+def test_request_images_are_refused_before_decoding(vl_engine, tiny_vl, url, message):
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is it?"}]}]}
+
+    async def main():
+        pool = make_pool(vl_engine, tiny_vl)
+        await pool.server.start()
+        ctx = pool.server.open(episode())
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{ctx.base_url}/chat/completions", json=body,
+                                 headers={"Authorization": f"Bearer {ctx.api_key}"}) as r:
+                bad = r.status, await r.json()
+            ok = await openai_client(ctx, False).chat.completions.create(model="m", max_tokens=2, messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(png_bytes((56, 56)))}},
+                                             {"type": "text", "text": "and this?"}]}])
+        await pool.server._runner.cleanup()
+        return bad, ok, pool.server.sessions[ctx.session_id].segments
+    (status, body_out), ok, segments = run(main())
+    assert status == 400 and message in body_out["error"]["message"], body_out
+    assert ok.choices[0].message.content is not None and len(segments) == 1  # the good request after it worked
+
+
+def test_a_text_only_model_refuses_images_before_decoding_them(engine, tiny):
+    async def main():
+        pool = make_pool(engine, tiny)
+        await pool.server.start()
+        ctx = pool.server.open(episode())
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{ctx.base_url}/chat/completions", headers={"x-api-key": ctx.api_key}, json={
+                    "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
+                        {"type": "image_url", "image_url": {"url": data_uri(BOMB)}}]}]}) as r:
+                out = r.status, await r.json()
+        await pool.server._runner.cleanup()
+        return out
+    status, body = run(main())
+    assert status == 400 and "does not take images" in body["error"]["message"]  # not the pixel cap: never decoded
+
+
+def test_data_row_images_come_only_from_the_data_directory(tiny_vl, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "ok.png").write_bytes(png_bytes((56, 56)))
+    (data / "bomb.png").write_bytes(BOMB)
+    os.mkfifo(data / "fifo.png")
+    (data / "link.png").symlink_to("/etc/hostname")
+    outside = tmp_path / "outside.png"
+    outside.write_bytes(png_bytes((56, 56)))
+    pool = molt.AgentPool(small_config(**{"data.path": str(data / "rows.jsonl")}), "", tiny_vl, [])
+    assert [im.size for im in pool.row_images({"images": ["ok.png", str(data / "ok.png")]})] == [(56, 56)] * 2
+    for ref, message in [(str(outside), "outside"), ("../outside.png", "outside"), ("fifo.png", "regular file"),
+                         ("bomb.png", "pixels"), ("link.png", "outside"), ("/etc/hostname", "outside")]:
+        t = time.time()
+        with pytest.raises(ValueError, match=message):
+            pool.row_images({"images": [ref]})
+        assert time.time() - t < 2, ref  # a FIFO does not hang it
