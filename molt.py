@@ -209,6 +209,12 @@ class ActorConfig:
 
 
 @dataclass
+class ServerConfig:
+    max_body_mb: float = _f(64.0, "largest request body the loopback server reads, MiB (room for a few images); a "
+                            "larger one gets a 413")
+
+
+@dataclass
 class EvalConfig:
     every: int = _f(0, "evaluate every N steps (0 = never; needs --eval-data)")
     n_samples: int = _f(1, "samples per eval prompt (pass@n)")
@@ -241,6 +247,7 @@ class Config:
     ref: RefConfig = field(default_factory=RefConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
@@ -390,12 +397,15 @@ LOG_RATIO_CLAMP = 30.0  # |log ratio| cap before exp(): exp(30) ~ 1e13 is finite
 @dataclass
 class Completion:
     """One sampled continuation, as the engine produced it. routing, when captured (CUDA engines only), is
-    [prompt + generated tokens, layers, top_k] int16."""
+    [prompt + generated tokens, layers, top_k] int16; top, when asked for, the k most likely (id, log-prob) per token."""
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: Any = None  # the stop string (or token id) that ended it, if any
+    temperature: float = 1.0  # the temperature it was sampled at (its log-probs are at that temperature)
     routing: Any = None
+    top: list | None = None
 
 
 @dataclass
@@ -410,6 +420,7 @@ class Sample:
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    temperatures: list = field(default_factory=list)  # sampling temperature per token (None: context, or the run's)
     reward: float = 0.0
     score: float | None = None
     group_id: str = ""
@@ -424,13 +435,15 @@ class Sample:
     n_images: int = 0
     images: list = field(default_factory=list, repr=False)  # PIL images sent to the engine (rollout side only)
 
-    def extend(self, ids, logprobs=None, versions=None):
-        """Append tokens; with logprobs they were sampled (trainable), without they are context."""
+    def extend(self, ids, logprobs=None, versions=None, temperature: float | None = None):
+        """Append tokens; with logprobs they were sampled (trainable) at `temperature` (None: the run's), without
+        they are context."""
         self.tokens += list(ids)
         sampled = logprobs is not None
         self.mask += [int(sampled)] * len(ids)
         self.logprobs += list(logprobs) if sampled else [0.0] * len(ids)
         self.versions += list(versions) if sampled else [-1] * len(ids)
+        self.temperatures += [temperature if sampled else None] * len(ids)
 
     def add_context(self, ids: list[int], images: list | None = None, mm: dict | None = None):
         """Tokens the policy did not sample (prompt, observation, tool result), with the images they show."""
@@ -442,8 +455,12 @@ class Sample:
             self.mm = mm if self.mm is None else {k: torch.cat([self.mm[k], mm[k]]) for k in mm}
 
     def add_turn(self, c: Completion):
-        """What the policy sampled: trainable tokens with their behaviour log-probs and versions."""
-        self.extend(c.ids, c.logprobs, c.versions)
+        """What the policy sampled: trainable tokens with their behaviour log-probs, versions and temperature. A
+        greedy turn (temperature 0) stays context: its tokens have no behaviour probability to correct against."""
+        if c.temperature > 0:
+            self.extend(c.ids, c.logprobs, c.versions, c.temperature)
+        else:
+            self.extend(c.ids)
         self.merge_routing(c.routing)
         self.finish_reason = c.finish_reason
 
@@ -472,6 +489,8 @@ class Sample:
         if not (len(self.mask) == len(self.logprobs) == len(self.versions) == n):
             raise ValueError(f"{self.name()}: tokens ({n}), mask ({len(self.mask)}), logprobs ({len(self.logprobs)}) "
                              f"and versions ({len(self.versions)}) must have one entry per token")
+        if self.temperatures and len(self.temperatures) != n:
+            raise ValueError(f"{self.name()}: temperatures has {len(self.temperatures)} entries for {n} tokens")
         if not math.isfinite(self.reward):
             raise ValueError(f"{self.name()}: reward is {self.reward}")
         if not any(self.mask):
@@ -481,7 +500,8 @@ class Sample:
 
     def to_json(self) -> dict:
         return {"rollout_id": self.rollout_id, "group_id": self.group_id, "segment": self.segment,
-                "prompt_index": self.prompt_index, "epoch": self.epoch, "tokens": self.tokens, "mask": self.mask, "logprobs": self.logprobs, "versions": self.versions,
+                "prompt_index": self.prompt_index, "epoch": self.epoch, "tokens": self.tokens,
+                "mask": self.mask, "logprobs": self.logprobs, "versions": self.versions, "temperatures": self.temperatures,
                 "reward": self.reward, "score": self.score, "n_images": self.n_images,
                 "finish_reason": self.finish_reason, "info": self.info}
 
@@ -784,6 +804,7 @@ def engine_args(cfg: Config, model_path: str, index: int):
               enable_return_routed_experts=cfg.train.routing_replay or cfg.train.routing_capture)
     if cuda:
         kw["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
+        kw["weight_transfer_config"] = {"backend": "nccl"}  # vLLM's own trainer -> engine transfer (§11)
     else:
         kw["kv_cache_memory_bytes"] = int(cfg.engine.kv_cache_gb * 2**30)
     if hasattr(AutoConfig.from_pretrained(model_path), "vision_config"):
@@ -816,6 +837,7 @@ class EngineActor:
         self.resumed = asyncio.Event()
         self.resumed.set()
         self.aborting, self.tokens_discarded, self.requests, self.generated, self.inflight = False, 0, 0, 0, 0
+        self.shm = None  # weight buffers of its own, only on a node without a trainer (§11)
 
     async def set_version(self, version: int = 0) -> int:
         """Label what the engine samples from now on (weights loaded from a checkpoint of step N are version N)."""
@@ -851,46 +873,85 @@ class EngineActor:
             params["logit_bias"] = {**self.media_bias, **(params.get("logit_bias") or {})}
         if isinstance(params.get("structured_outputs"), dict):  # e.g. {"regex": ...} or {"json": schema}
             params["structured_outputs"] = StructuredOutputsParams(**params["structured_outputs"])
-        return SamplingParams(**{**params, "logprobs": 0, "output_kind": RequestOutputKind.DELTA,
+        return SamplingParams(**{**params, "logprobs": params.get("logprobs") or 0,  # the sampled token, + top k
+                                 "output_kind": RequestOutputKind.DELTA,
                                  "detokenize": bool(params.get("stop"))})  # text is only needed for stop strings
 
     async def generate(self, req: EngineRequest) -> list[Completion]:
         """One Completion per sample (sampling["n"] of them). In abort mode a request cut by an update restarts."""
+        ids, images, params = self.admit(req)
+        try:
+            while True:
+                await self.resumed.wait()
+                state: dict = {}
+                async for _ in self._outputs(ids, images, params, state):
+                    pass
+                completions = self.finished(ids, params, state)
+                if self.aborting and any(c.finish_reason == "abort" for c in completions):
+                    self.tokens_discarded += sum(len(c.ids) for c in completions)  # abort-and-restart mode
+                    continue
+                return completions
+        finally:
+            self.inflight -= 1
+
+    async def stream(self, req: EngineRequest):
+        """generate() for one sample, as a stream: the new token ids as vLLM produces them ({"ids": [...]}), then
+        the Completion (call with .options(num_returns="streaming")). An update cannot restart a stream a client is
+        reading: in abort mode an aborted stream fails."""
+        ids, images, params = self.admit(req)
+        try:
+            await self.resumed.wait()
+            state: dict = {}
+            async for _, new in self._outputs(ids, images, params, state):
+                yield {"ids": new}
+            [c] = self.finished(ids, params, state)
+            if c.finish_reason == "abort":
+                raise RuntimeError("a weight update aborted this request (--rollout.update-mode abort)")
+            yield c
+        finally:
+            self.inflight -= 1
+
+    def admit(self, req: EngineRequest):
         ids, images = list(req.ids), req.images or None
         self.check_request(ids, images)
         params = self.sampling_params(req.sampling)
         self.requests += 1
         self.inflight += 1
-        try:
-            while True:
-                await self.resumed.wait()
-                completions, prompt_ids = await self._stream(ids, images, params)
-                if self.aborting and any(c.finish_reason == "abort" for c in completions):
-                    self.tokens_discarded += sum(len(c.ids) for c in completions)  # abort-and-restart mode
-                    continue
-                if list(prompt_ids) != ids:
-                    raise ValueError("the engine expanded the image placeholders differently from the processor: "
-                                     f"{len(prompt_ids)} vs {len(ids)} prompt tokens")
-                return completions
-        finally:
-            self.inflight -= 1
+        return ids, images, params
 
-    async def _stream(self, ids: list[int], images: list | None, params) -> tuple[list[Completion], list[int]]:
-        """One pass of vLLM's output stream, folded into Completions (in sample order) and the prompt ids it used."""
-        completions: dict[int, Completion] = {}
+    async def _outputs(self, ids: list[int], images: list | None, params, state: dict):
+        """vLLM's output stream for one request, folded into state[sample index] = Completion (and state["prompt"]
+        = the prompt ids it used); yields (sample index, new token ids) per delta."""
         try:
             async for out in self.engine.generate(self.engine_prompt(ids, images), params, request_id=uuid.uuid4().hex):
-                prompt_ids = out.prompt_token_ids
+                state["prompt"] = out.prompt_token_ids
                 for c in out.outputs:  # deltas; with n > 1 each child streams on its own index
-                    _absorb(completions.setdefault(c.index, Completion()), c)
+                    _absorb(state.setdefault(c.index, Completion()), c, params.logprobs)
                     self.generated += len(c.token_ids)
+                    if c.token_ids:
+                        yield c.index, list(c.token_ids)
         except Exception as err:
             _exit_if_engine_dead(err)
             raise
-        return [completions[i] for i in sorted(completions)], prompt_ids
 
-    async def update(self, buckets: list, version: int, check: bool = False) -> dict:
-        return await engine_update(self, buckets, version, check)  # §11
+    def finished(self, ids: list[int], params, state: dict) -> list[Completion]:
+        if list(state["prompt"]) != ids:
+            raise ValueError("the engine expanded the image placeholders differently from the processor: "
+                             f"{len(state['prompt'])} vs {len(ids)} prompt tokens")
+        completions = [state[i] for i in sorted(k for k in state if k != "prompt")]
+        for c in completions:
+            c.temperature = params.temperature
+        return completions
+
+    async def update(self, source: dict, version: int, check: bool = False) -> dict:
+        return await engine_update(self, source, version, check)  # §11
+
+    async def transfer(self, call: str, arg=None):
+        return await NATIVE_TRANSFER[call](self, arg)  # §11, CUDA only
+
+    def node(self) -> str:
+        import ray
+        return ray.get_runtime_context().get_node_id()
 
     async def stats(self) -> dict:
         return {"tokens_discarded": self.tokens_discarded, "requests": self.requests, "version": self.version,
@@ -913,15 +974,19 @@ def _leave(why: str):
     os._exit(1)
 
 
-def _absorb(acc: Completion, c):
-    """Fold one delta output of vLLM into a Completion: ids, their log-probs, and (on finish) versions."""
+def _absorb(acc: Completion, c, top: int = 0):
+    """Fold one delta output of vLLM into a Completion: ids, their log-probs (and the top ones when asked), and (on
+    finish) versions and why it stopped."""
     lps = [lp[t].logprob if t in lp else 0.0 for t, lp in zip(c.token_ids, c.logprobs or [])]
     if len(lps) != len(c.token_ids):
         raise RuntimeError(f"engine returned {len(lps)} log-probs for {len(c.token_ids)} tokens")
     acc.ids += c.token_ids
     acc.logprobs += lps
+    if top:
+        acc.top = (acc.top or []) + [[(t, x.logprob) for t, x in sorted(lp.items(), key=lambda kv: kv[1].rank)
+                                      if x.rank <= top] for lp in c.logprobs]
     if c.finish_reason is not None:
-        acc.finish_reason = c.finish_reason
+        acc.finish_reason, acc.stop_reason = c.finish_reason, c.stop_reason
         acc.versions = [int(s.version) for s in c.weight_versions or [] for _ in range(s.end - s.start)]
         if len(acc.versions) != len(acc.ids):
             raise RuntimeError(f"engine labelled {len(acc.versions)} of {len(acc.ids)} tokens with a version")
@@ -1039,6 +1104,32 @@ class Router:
         finally:
             self.inflight[i] -= len(keys)
 
+    async def stream(self, req: EngineRequest, key: str):
+        """One sample as a stream: {"ids": [...]} deltas as the engine makes them, then the Completion. A dead engine
+        is replaced only before the first delta: a client cannot take back text it was sent."""
+        import ray
+        i, sent = self.pick(key), False
+        self.inflight[i] += 1
+        try:
+            while True:
+                try:
+                    async for ref in self.engines[i].stream.options(num_returns="streaming").remote(req):
+                        sent = True
+                        yield await ref
+                    return
+                except ray.exceptions.RayActorError as err:
+                    if sent:
+                        raise
+                    self.inflight[i] -= 1
+                    self.dead.add(i)
+                    self.failures += 1
+                    print(f"[router] engine {i} died ({type(err).__name__}); retrying its stream on another engine",
+                          file=sys.stderr)
+                    i = self.pick(key)
+                    self.inflight[i] += 1
+        finally:
+            self.inflight[i] -= 1
+
     def forget(self, key: str):
         self.sticky.pop(key, None)
 
@@ -1062,36 +1153,65 @@ def turn_sampling(cfg: Config, sampling: dict, context_len: int) -> dict:
 PROBE = "\x00PROBE\x00"
 
 
+# Arguments of apply_chat_template and variables it defines itself: a client's chat_template_kwargs cannot set them.
+TEMPLATE_RESERVED = {"messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                     "tokenize", "chat_template", "return_dict", "return_tensors", "padding", "truncation", "max_length",
+                     "tokenizer_kwargs", "processor_kwargs", "return_assistant_tokens_mask", "bos_token", "eos_token",
+                     "pad_token", "unk_token", "sep_token", "cls_token", "mask_token", "additional_special_tokens",
+                     "raise_exception", "strftime_now"}
+
+
+def template_variables(source) -> set[str]:
+    """Names a Jinja chat template reads without defining them (a dict of templates: all of theirs)."""
+    import jinja2
+    from jinja2 import meta
+    env = jinja2.Environment()
+    sources = source.values() if isinstance(source, dict) else [source or ""]
+    return set().union(*(meta.find_undeclared_variables(env.parse(x)) for x in sources))
+
+
 class Codec:
     """Chat template, tokenizer and (for a VLM) processor of one model."""
 
     def __init__(self, model_path: str):
+        from collections import OrderedDict
+
         from transformers import AutoConfig, AutoProcessor, AutoTokenizer
         self.processor = None
         if hasattr(AutoConfig.from_pretrained(model_path), "vision_config"):
             self.processor = AutoProcessor.from_pretrained(model_path)
         self.tokenizer = self.processor.tokenizer if self.processor else AutoTokenizer.from_pretrained(model_path)
-        self.text_ids: dict[str, list[int]] = {}
+        self.text_ids: OrderedDict[str, list[int]] = OrderedDict()  # prompts a group shares, bounded in characters
+        self.cached_chars = 0
+        source = (self.processor or self.tokenizer).chat_template
+        self.template_vars = template_variables(source) - TEMPLATE_RESERVED
         self.probe_base = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": PROBE}],
                                       generation=False)
         self.turn_suffix = self.probe_base.split(PROBE, 1)[1] if PROBE in self.probe_base else self.tokenizer.eos_token
 
-    def render(self, messages: list[dict], tools=None, generation=True) -> str:
+    def render(self, messages: list[dict], tools=None, generation=True, **template) -> str:
+        """The chat template's text; template holds extra template variables (e.g. enable_thinking): those the
+        template does not read are dropped, as vLLM does, and none can override what render itself passes."""
         return (self.processor or self.tokenizer).apply_chat_template(
-            template_messages(messages), tools=tools or None, tokenize=False, add_generation_prompt=generation)
+            template_messages(messages), tools=tools or None, tokenize=False, add_generation_prompt=generation,
+            **{k: v for k, v in template.items() if k in self.template_vars})
 
     def encode(self, text: str, images: list | None = None) -> tuple[list[int], dict | None]:
         """(ids, processor tensors for the images or None)."""
-        if not images:  # the n episodes of a group share their prompt: tokenize it once
-            if text not in self.text_ids:
-                if len(self.text_ids) > 4096:
-                    self.text_ids.clear()
-                self.text_ids[text] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if images:
+            if self.processor is None:
+                raise ValueError("images were given but the model is text-only")
+            out = self.processor(text=[text], images=images, return_tensors="pt")
+            return out["input_ids"][0].tolist(), {k: out[k] for k in ("pixel_values", "image_grid_thw") if k in out}
+        if text in self.text_ids:  # the n episodes of a group share their prompt: tokenize it once
+            self.text_ids.move_to_end(text)
             return list(self.text_ids[text]), None
-        if self.processor is None:
-            raise ValueError("images were given but the model is text-only")
-        out = self.processor(text=[text], images=images, return_tensors="pt")
-        return out["input_ids"][0].tolist(), {k: out[k] for k in ("pixel_values", "image_grid_thw") if k in out}
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(text) <= CACHED_TEXT_CHARS:
+            self.text_ids[text], self.cached_chars = ids, self.cached_chars + len(text)
+            while self.cached_chars > CACHE_CHARS:
+                self.cached_chars -= len(self.text_ids.popitem(last=False)[0])
+        return list(ids), None
 
     async def encode_async(self, text: str, images: list | None = None):
         """(ids, images, processor tensors): image processing runs off the event loop; text is quicker than the hop."""
@@ -1113,15 +1233,66 @@ class Codec:
         full = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": PROBE}] + messages)
         return self.closing(action_ids) + full[len(self.probe_base):]
 
-    def text_pieces(self, ids: list[int]) -> list[str]:
-        """Text per sampled token for streaming; the pieces concatenate to exactly the non-streamed text."""
-        pieces, prev = [], ""
-        for i in range(len(ids)):
-            cur = self.decode(ids[: i + 1])
-            if cur.startswith(prev) and cur != prev:
-                pieces.append(cur[len(prev):])
-                prev = cur
-        return pieces + ([self.decode(ids)[len(prev):]] if self.decode(ids) != prev else [])
+    def tool_call_text(self) -> tuple[str, str, str] | None:
+        """How this chat template writes a tool call: (before the name, between the name and the arguments, after
+        the arguments), read off a rendered probe call; None when the template writes none."""
+        call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+            "name": "molt_probe_name", "arguments": '{"molt_probe": 1}'}}]}
+        base = self.render([{"role": "user", "content": "x"}], generation=True)
+        text = self.render([{"role": "user", "content": "x"}, call], generation=False)
+        if not text.startswith(base) or "molt_probe_name" not in text or '{"molt_probe": 1}' not in text:
+            return None
+        body = text[len(base):]
+        head, rest = body.split("molt_probe_name", 1)
+        middle, tail = rest.split('{"molt_probe": 1}', 1)
+        return head, middle, tail[:len(tail) - len(self.turn_suffix)] if tail.endswith(self.turn_suffix) else tail
+
+
+CACHED_TEXT_CHARS, CACHE_CHARS = 64 << 10, 16 << 20  # the tokenizer cache: texts up to 64 Ki chars, 16 Mi in all
+
+
+class TextStream:
+    """A reply's text as its tokens arrive, emitting only what is sure to begin the final reply text (Reply.text):
+    held back are a character still being decoded, a possible start of a stop string, and with tools anything from a
+    possible "<tool_call>" on, plus trailing white space. Decoding is incremental (a window of the last tokens), so
+    a long reply costs linear time."""
+
+    def __init__(self, codec: Codec, stops: list[str], tools: bool):
+        self.codec, self.stops, self.tools = codec, stops, tools
+        self.ids, self.text, self.emitted, self.prefix, self.read = [], "", "", 0, 0
+
+    def push(self, new: list[int]) -> str:
+        self.ids += new
+        before = self.codec.decode(self.ids[self.prefix:self.read])
+        after = self.codec.decode(self.ids[self.prefix:])
+        if after.endswith("\ufffd"):  # a multi-byte character is not complete yet
+            return ""
+        self.text += after[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        safe = self.text[:self.safe_length()]
+        out = safe[len(self.emitted):] if safe.startswith(self.emitted) else ""
+        self.emitted += out
+        return out
+
+    def safe_length(self) -> int:
+        text, end = self.text, len(self.text)
+        for stop in self.stops:
+            if stop in text:
+                end = min(end, text.index(stop))
+            end = min(end, next((len(text) - k for k in range(min(len(stop) - 1, len(text)), 0, -1)
+                                 if text.endswith(stop[:k])), end))
+        if self.tools:
+            marker = "<tool_call>"
+            if marker in text:
+                end = min(end, text.index(marker))
+            end = min(end, next((len(text) - k for k in range(min(len(marker) - 1, len(text)), 0, -1)
+                                 if text.endswith(marker[:k])), end))
+            end = len(text[:end].rstrip())
+        return end
+
+    def rest(self, final: str) -> str:
+        """What remains to send once the reply's final text is known (what was sent always begins it)."""
+        return final[len(self.emitted):] if final.startswith(self.emitted) else ""
 
 
 class WireError(Exception):
@@ -1140,24 +1311,32 @@ class Turn:
     stream: bool
     usage_in_stream: bool
     sampling: dict
+    tool_choice: Any = "auto"  # auto, none, required, or the name of the tool to call
+    n: int = 1
+    top_logprobs: int | None = None  # None: no log-probs in the reply; k: the sampled token's and the top k
+    template: dict = field(default_factory=dict)  # chat-template variables (chat_template_kwargs, thinking)
+    retry: bool = False  # the SDK marked it as a retry of the request it sent last: answer from the cache
 
 
 @dataclass
 class Reply:
-    """The wire-neutral answer to a Turn; openai_reply / anthropic_reply (and their SSE forms) render it."""
+    """The wire-neutral answer to a Turn (one per choice); openai_reply / anthropic_reply (and their SSE forms)
+    render it."""
     id: str
     text: str
     calls: list
     finish: str  # stop, length or tool_calls
     ids: list[int]
     prompt_tokens: int
+    stop: str | None = None  # the stop string that ended it
+    logprobs: list | None = None  # OpenAI's logprobs.content entries, when asked for
 
 
-OPENAI_KEYS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed",
-               "stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "n", "user", "metadata",
-               "store", "logprobs", "response_format", "frequency_penalty", "presence_penalty"}
-ANTHROPIC_KEYS = {"model", "messages", "max_tokens", "system", "temperature", "top_p", "top_k", "stop_sequences",
-                  "stream", "tools", "tool_choice", "metadata"}
+# Request limits: beyond them a request is refused (4xx), not served slowly.
+MAX_JSON_DEPTH, MAX_STOPS, MAX_STOP_CHARS, MAX_CHOICES, MAX_TOP_LOGPROBS = 64, 16, 256, 16, 20
+MAX_HEADER_BYTES = 64 * 1024  # one header line; beyond it aiohttp's parser answers a plain-text 400 itself
+# Parameters that would change the sampling distribution behind the trainer's back, and are therefore refused.
+REFUSED = {"logit_bias", "min_p", "repetition_penalty", "top_a", "typical_p", "tfs"}
 
 
 def _require(cond, message: str, status: int = 400):
@@ -1174,86 +1353,260 @@ def _number(body: dict, key: str, lo: float, hi: float, integer=False):
     return v
 
 
-def _check_messages(messages, roles):
+def _object(value, where: str, optional=True) -> dict:
+    _require((optional and value is None) or isinstance(value, dict), f"'{where}' must be an object")
+    return value or {}
+
+
+def _string(value, where: str, optional=True):
+    _require((optional and value is None) or isinstance(value, str), f"'{where}' must be a string")
+    return value
+
+
+def _stops(value, where: str, one=True) -> list[str] | None:
+    """A stop string (when one is allowed) or a list of them: at most MAX_STOPS, each 1 to MAX_STOP_CHARS
+    characters."""
+    if value is None:
+        return None
+    stops = [value] if isinstance(value, str) and one else value
+    _require(isinstance(stops, list) and len(stops) <= MAX_STOPS and
+             all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stops),
+             f"'{where}' must be a string or a list of at most {MAX_STOPS} strings of 1 to {MAX_STOP_CHARS} characters")
+    return stops or None
+
+
+def json_problem(value, limit: int = MAX_JSON_DEPTH) -> str | None:
+    """What makes parsed JSON unusable downstream, or None: nesting deeper than limit (checked iteratively, so deep
+    input cannot exhaust the stack), or a string holding a lone surrogate (valid JSON, but no tokenizer takes it)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return f"request JSON nests deeper than {limit} levels"
+        if isinstance(v, dict):
+            stack += [(x, depth + 1) for x in v.values()] + [(k, depth) for k in v]
+        elif isinstance(v, list):
+            stack += [(x, depth + 1) for x in v]
+        elif isinstance(v, str) and not v.isascii():
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return "request JSON holds a string with a lone UTF-16 surrogate (\\ud800-\\udfff)"
+    return None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def _openai_content(content, where: str):
+    """None, a string, or a list of text and image_url parts (checked, never decoded here)."""
+    if content is None or isinstance(content, str):
+        return content
+    _require(isinstance(content, list), f"'{where}' must be a string or a list of parts")
+    for j, part in enumerate(content):
+        _require(isinstance(part, dict), f"'{where}[{j}]' must be an object")
+        kind = part.get("type")
+        if kind == "text":
+            _string(part.get("text"), f"{where}[{j}].text", optional=False)
+        elif kind == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else None
+            _require(isinstance(url, str), f"'{where}[{j}].image_url.url' must be a string")
+        else:
+            _require(False, f"'{where}[{j}].type' must be text or image_url, not {kind!r}")
+    return content
+
+
+def _openai_tool_calls(calls, where: str):
+    _require(isinstance(calls, list), f"'{where}' must be a list")
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        _require(isinstance(fn, dict) and isinstance(fn.get("name"), str) and
+                 isinstance(fn.get("arguments"), (str, dict)), f"'{where}[{j}]' must be "
+                 "{\"type\": \"function\", \"function\": {\"name\": string, \"arguments\": string}}")
+        _string(call.get("id"), f"{where}[{j}].id")
+
+
+def _openai_messages(messages) -> list[dict]:
+    roles = {"system", "developer", "user", "assistant", "tool"}
     _require(isinstance(messages, list) and messages, "'messages' must be a non-empty list")
+    out = []
     for i, m in enumerate(messages):
-        _require(isinstance(m, dict) and m.get("role") in roles, f"messages[{i}] needs a role in {sorted(roles)}")
-        c = m.get("content")
-        _require(c is None or isinstance(c, (str, list)), f"messages[{i}].content must be a string or a list")
+        _require(isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"] in roles,
+                 f"messages[{i}] needs a role in {sorted(roles)}")
+        _openai_content(m.get("content"), f"messages[{i}].content")
+        if m.get("tool_calls") is not None:
+            _require(m["role"] == "assistant", f"messages[{i}]: only assistant messages carry tool_calls")
+            _openai_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+        _string(m.get("tool_call_id"), f"messages[{i}].tool_call_id")
+        _string(m.get("name"), f"messages[{i}].name")
+        out.append(dict(m, role="system") if m["role"] == "developer" else m)
+    return out
+
+
+def _tools(tools, where="tools") -> list | None:
+    """OpenAI function tools (Anthropic's are converted before): each {"type": "function", "function": {"name",
+    "description", "parameters"}}."""
+    if tools is None:
+        return None
+    _require(isinstance(tools, list), f"'{where}' must be a list of tools")
+    for j, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        _require(isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"] and
+                 isinstance(fn.get("description", ""), str) and isinstance(fn.get("parameters", {}), dict),
+                 f"'{where}[{j}]' must be {{\"type\": \"function\", \"function\": {{\"name\": string, "
+                 "\"description\": string, \"parameters\": object}}")
+    return tools or None
+
+
+def _tool_choice(choice, tools: list | None):
+    """Normalised: "auto", "none", "required", or the name of the one tool to call."""
+    names = [t["function"]["name"] for t in tools or []]
+    if choice in (None, "auto", "none"):
+        return choice or "auto"
+    _require(names, "'tool_choice' needs 'tools'")
+    if choice == "required":
+        return choice
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    _require(isinstance(name, str) and name in names, f"'tool_choice' must be auto, none, required or "
+             f"{{\"type\": \"function\", \"function\": {{\"name\": one of {names}}}}}")
+    return name
+
+
+def _response_format(fmt) -> dict | None:
+    """vLLM structured outputs for a response_format: json_object, or json_schema."""
+    fmt = _object(fmt, "response_format")
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    schema = (fmt.get("json_schema") or {}).get("schema") if isinstance(fmt.get("json_schema"), dict) else None
+    _require(kind == "json_schema" and isinstance(schema, dict),
+             "'response_format' must be text, json_object, or json_schema with a json_schema.schema object")
+    return {"json": schema}
 
 
 def decode_openai(body: dict) -> Turn:
-    """OpenAI chat-completions body -> wire-neutral Turn."""
-    unknown = sorted(set(body) - OPENAI_KEYS)
-    _require(not unknown, f"unsupported parameter(s): {', '.join(unknown)}")
-    _check_messages(body.get("messages"), {"system", "developer", "user", "assistant", "tool"})
-    _require(body.get("n", 1) == 1, "'n' must be 1: each request continues one trajectory")
-    _require(not body.get("logprobs"), "'logprobs' is not supported")
-    _require(not body.get("frequency_penalty") and not body.get("presence_penalty"),
-             "frequency/presence penalties change the sampling distribution and are not supported")
-    _require((body.get("response_format") or {"type": "text"}).get("type") == "text", "only text responses")
-    stop = body.get("stop")
-    _require(stop is None or isinstance(stop, (str, list)), "'stop' must be a string or a list of strings")
-    msgs = [dict(m, role="system") if m["role"] == "developer" else m for m in body["messages"]]
-    return Turn(messages=msgs, tools=body.get("tools"), stream=bool(body.get("stream")),
-                usage_in_stream=bool((body.get("stream_options") or {}).get("include_usage")),
+    """OpenAI chat-completions body -> wire-neutral Turn. Fields with no effect on sampling (user, metadata, store,
+    service_tier, parallel_tool_calls, reasoning_effort, ...) are accepted and ignored, as OpenAI does."""
+    refused = sorted(REFUSED & set(body)) + [k for k in ("frequency_penalty", "presence_penalty") if body.get(k)]
+    _require(not refused, f"{', '.join(refused)} would change the sampling distribution behind the trainer's "
+             "back: not supported")
+    messages, tools = _openai_messages(body.get("messages")), _tools(body.get("tools"))
+    n = _number(body, "n", 1, MAX_CHOICES, True) or 1
+    top = _number(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, True)
+    _require(body.get("logprobs") in (None, True, False), "'logprobs' must be a boolean")
+    stream_options = _object(body.get("stream_options"), "stream_options")
+    template = _object(body.get("chat_template_kwargs"), "chat_template_kwargs")
+    clash = sorted(TEMPLATE_RESERVED & set(template))
+    _require(not clash, f"chat_template_kwargs may not set {', '.join(clash)}: the server renders the template")
+    return Turn(messages=messages, tools=tools, stream=bool(body.get("stream")), n=n,
+                usage_in_stream=bool(stream_options.get("include_usage")),
+                tool_choice=_tool_choice(body.get("tool_choice"), tools),
+                top_logprobs=(top or 0) if body.get("logprobs") else None, template=template,
                 sampling={"max_tokens": _number(body, "max_completion_tokens", 1, 1 << 30, True) or
                           _number(body, "max_tokens", 1, 1 << 30, True),
                           "temperature": _number(body, "temperature", 0, 2), "top_p": _number(body, "top_p", 0, 1),
                           "seed": _number(body, "seed", -(1 << 63), 1 << 63, True),
-                          "stop": [stop] if isinstance(stop, str) else stop})
+                          "stop": _stops(body.get("stop"), "stop"),
+                          "structured_outputs": _response_format(body.get("response_format"))})
 
 
-def _anthropic_block(block: dict) -> dict:
+def _anthropic_block(block, where: str) -> dict:
+    _require(isinstance(block, dict), f"'{where}' must be an object")
     if block.get("type") == "image":
-        src = block.get("source") or {}
-        _require(src.get("type") == "base64", "images must be base64 sources")
-        return {"type": "image_url", "image_url": {"url": f"data:{src.get('media_type')};base64,{src.get('data')}"}}
-    _require(block.get("type") == "text", f"unsupported content block type {block.get('type')!r}")
-    return {"type": "text", "text": block.get("text", "")}
+        src = _object(block.get("source"), f"{where}.source", optional=False)
+        _require(src.get("type") == "base64" and isinstance(src.get("data"), str) and
+                 isinstance(src.get("media_type"), str), f"'{where}.source' must be a base64 image source")
+        return {"type": "image_url", "image_url": {"url": f"data:{src['media_type']};base64,{src['data']}"}}
+    _require(block.get("type") == "text", f"'{where}.type' {block.get('type')!r} is not supported here")
+    return {"type": "text", "text": _string(block.get("text"), f"{where}.text", optional=False)}
 
 
-def _anthropic_message(m: dict) -> list[dict]:
+def _anthropic_message(m, i: int) -> list[dict]:
     """One Anthropic message -> OpenAI messages: tool_use blocks become tool_calls, tool_result blocks tool messages."""
-    if isinstance(m.get("content"), str):
-        return [{"role": m["role"], "content": m["content"]}]
-    parts, calls, tools = [], [], []
-    for b in m["content"]:
-        _require(isinstance(b, dict), "content blocks must be objects")
-        if b.get("type") == "tool_use":
-            calls.append({"id": b.get("id"), "type": "function",
-                          "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input", {}))}})
-        elif b.get("type") == "tool_result":
+    _require(isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"] in ("user", "assistant"),
+             f"messages[{i}] needs a role in ['assistant', 'user']")
+    content = m.get("content")
+    if isinstance(content, str):
+        return [{"role": m["role"], "content": content}]
+    _require(isinstance(content, list), f"messages[{i}].content must be a string or a list of blocks")
+    parts, calls, results = [], [], []
+    for j, b in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        kind = b.get("type") if isinstance(b, dict) else None
+        if kind == "tool_use":
+            _require(m["role"] == "assistant" and isinstance(b.get("name"), str) and
+                     isinstance(b.get("input", {}), dict), f"'{where}' must be an assistant's tool_use with a name "
+                     "and an input object")
+            calls.append({"id": _string(b.get("id"), f"{where}.id"), "type": "function",
+                          "function": {"name": b["name"], "arguments": json.dumps(b.get("input", {}))}})
+        elif kind == "tool_result":
             inner = b.get("content", "")
-            inner = inner if isinstance(inner, str) else [_anthropic_block(x) for x in inner]
-            tools.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": inner})
+            inner = inner if isinstance(inner, str) else [_anthropic_block(x, f"{where}.content[{k}]") for k, x in
+                                                          enumerate(inner if isinstance(inner, list) else [None])]
+            results.append({"role": "tool", "tool_call_id": _string(b.get("tool_use_id"), f"{where}.tool_use_id"),
+                            "content": inner})
         else:
-            parts.append(_anthropic_block(b))
-    out = tools + ([{"role": m["role"], "content": parts}] if parts or not tools else [])
+            parts.append(_anthropic_block(b, where))
+    out = results + ([{"role": m["role"], "content": parts}] if parts or not results else [])
     if calls:
         out = out or [{"role": "assistant", "content": []}]
         out[-1]["tool_calls"] = calls
     return out
 
 
+def _anthropic_tools(tools) -> list | None:
+    if tools is None:
+        return None
+    _require(isinstance(tools, list), "'tools' must be a list")
+    out = []
+    for j, t in enumerate(tools):
+        _require(isinstance(t, dict) and isinstance(t.get("name"), str) and t["name"] and
+                 isinstance(t.get("input_schema", {}), dict) and isinstance(t.get("description", ""), str),
+                 f"'tools[{j}]' must be {{\"name\": string, \"description\": string, \"input_schema\": object}}")
+        out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                                      "parameters": t.get("input_schema", {})}})
+    return out or None
+
+
+def _anthropic_tool_choice(choice, tools):
+    choice = _object(choice, "tool_choice")
+    kind = choice.get("type", "auto")
+    _require(kind in ("auto", "any", "tool", "none"), "'tool_choice.type' must be auto, any, tool or none")
+    if kind == "tool":
+        return _tool_choice({"function": {"name": choice.get("name")}}, tools)
+    return _tool_choice({"any": "required"}.get(kind, kind), tools)
+
+
+def _system(system) -> str | None:
+    if system is None or isinstance(system, str):
+        return system
+    _require(isinstance(system, list), "'system' must be a string or a list of text blocks")
+    return "".join(_anthropic_block(b, f"system[{j}]").get("text", "") for j, b in enumerate(system))
+
+
 def decode_anthropic(body: dict) -> Turn:
-    unknown = sorted(set(body) - ANTHROPIC_KEYS)
-    _require(not unknown, f"unsupported parameter(s): {', '.join(unknown)}")
-    _check_messages(body.get("messages"), {"user", "assistant"})
+    """Anthropic messages body -> wire-neutral Turn (metadata, service_tier and other fields with no effect on
+    sampling are ignored; thinking reaches the chat template as enable_thinking)."""
+    _require(isinstance(body.get("messages"), list) and body["messages"], "'messages' must be a non-empty list")
     _require(_number(body, "max_tokens", 1, 1 << 30, True) is not None, "'max_tokens' is required")
-    system = body.get("system")
-    if isinstance(system, list):
-        system = "".join(b.get("text", "") for b in system if isinstance(b, dict))
+    system = _system(body.get("system"))
     msgs = ([{"role": "system", "content": system}] if system else []) + \
-        [x for m in body["messages"] for x in _anthropic_message(m)]
-    tools = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description", ""),
-                                               "parameters": t.get("input_schema", {})}} for t in body.get("tools") or []]
-    stop = body.get("stop_sequences")
-    _require(stop is None or isinstance(stop, list), "'stop_sequences' must be a list")
-    return Turn(messages=msgs, tools=tools or None, stream=bool(body.get("stream")), usage_in_stream=True,
+        [x for i, m in enumerate(body["messages"]) for x in _anthropic_message(m, i)]
+    tools = _anthropic_tools(body.get("tools"))
+    thinking = _object(body.get("thinking"), "thinking")
+    _require(not thinking or thinking.get("type") in ("enabled", "disabled"),
+             "'thinking.type' must be enabled or disabled")
+    return Turn(messages=msgs, tools=tools, stream=bool(body.get("stream")), usage_in_stream=True,
+                tool_choice=_anthropic_tool_choice(body.get("tool_choice"), tools),
+                template={"enable_thinking": thinking["type"] == "enabled"} if thinking else {},
                 sampling={"max_tokens": body["max_tokens"], "temperature": _number(body, "temperature", 0, 1),
                           "top_p": _number(body, "top_p", 0, 1), "top_k": _number(body, "top_k", -1, 1 << 20, True),
-                          "stop": stop})
+                          "stop": _stops(body.get("stop_sequences"), "stop_sequences", one=False)})
 
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -1261,7 +1614,7 @@ TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     """Hermes-style <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks -> (remaining text, calls).
-    A block that is not valid JSON with a name stays in the text."""
+    A block that is not valid JSON with a name stays in the text; with calls, trailing white space is dropped."""
     calls, kept = [], text
     for m in TOOL_CALL.finditer(text):
         try:
@@ -1272,7 +1625,31 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
         calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": str(name),
                       "arguments": args if isinstance(args, str) else json.dumps(args)})
         kept = kept.replace(m.group(0), "", 1)
-    return (kept.strip() if calls else text), calls
+    return (kept.rstrip() if calls else text), calls
+
+
+def canonical(message: dict) -> tuple:
+    """What an assistant message says, as (text, ((tool name, arguments), ...)): equal for a reply and the same reply
+    sent back by an SDK, whatever its wire or its JSON spacing; different after any edit."""
+    content = message.get("content")
+    text = content if isinstance(content, str) else "".join(
+        p.get("text", "") for p in content or [] if isinstance(p, dict) and p.get("type") == "text")
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", call)
+        args = fn.get("arguments", {})
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            pass
+        calls.append((fn.get("name"), json.dumps(args, sort_keys=True)))
+    return (text or "").rstrip(), tuple(calls)
+
+
+def reply_message(r: Reply) -> dict:
+    return {"role": "assistant", "content": r.text, "tool_calls": [{"function": {"name": c["name"],
+                                                                                 "arguments": c["arguments"]}}
+                                                                    for c in r.calls]}
 
 
 def load_image(ref, roots: tuple = (), max_mb: float = 16.0, max_pixels: int = 16_000_000):
@@ -1381,15 +1758,30 @@ def wire_messages(prompt, images) -> list[dict]:
     return msgs
 
 
+
 @dataclass
 class Session:
     ep: Episode
-    key: str
+    key: bytes  # sha256 of the session's API key: compared in constant time whatever the client sends
     segments: list = field(default_factory=list)
     last_messages: list | None = None
     last_tools: Any = None
-    last_reply: Reply | None = None
+    choices: list = field(default_factory=list)  # [(Reply, the Sample it extended)] of the last turn
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass
+class Prepared:
+    """A turn ready for the engine: the new context tokens (and images), the segment they extend, the request."""
+    ids: list[int]
+    images: list
+    mm: dict | None
+    seg: Sample | None
+    request: EngineRequest
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "replace")).digest()
 
 
 class LoopbackServer:
@@ -1402,25 +1794,29 @@ class LoopbackServer:
         self.port, self._runner = None, None
         self._starting = asyncio.Lock()
         self.key = "sk-molt-" + secrets.token_hex(16)  # for the unrecorded route (judges, helpers)
+        self.call_format = codec.tool_call_text()
 
     async def start(self):
         from aiohttp import web
         async with self._starting:
             if self._runner is not None:
                 return
-            app = web.Application(client_max_size=256 << 20)
-            app.router.add_post("/s/{sid}/v1/{endpoint:chat/completions|messages}", self.handle)
-            app.router.add_post("/v1/{endpoint:chat/completions|messages}", self.handle)  # unrecorded
-            app.router.add_get("/s/{sid}/v1/models", self.models)
-            runner = web.AppRunner(app, access_log=None)
+            app = web.Application(client_max_size=int(self.cfg.server.max_body_mb * 2**20),
+                                  middlewares=[web.middleware(wire_errors)])
+            for root in ("/s/{sid}/v1", "/v1"):  # a session's routes, and the unrecorded ones (judges, helpers)
+                app.router.add_post(root + "/{endpoint:chat/completions|messages}", self.handle)
+                app.router.add_post(root + "/messages/count_tokens", self.count_tokens)
+                app.router.add_get(root + "/models", self.models)
+            runner = web.AppRunner(app, access_log=None, max_line_size=MAX_HEADER_BYTES,  # a long key: 401, not a
+                                   max_field_size=MAX_HEADER_BYTES)                      # plain-text 400
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
             self.port, self._runner = site._server.sockets[0].getsockname()[1], runner
 
     def open(self, ep: Episode) -> ChatContext:
-        sid = uuid.uuid4().hex
-        self.sessions[sid] = Session(ep=ep, key="sk-molt-" + secrets.token_hex(16))
+        sid, key = uuid.uuid4().hex, "sk-molt-" + secrets.token_hex(16)
+        self.sessions[sid] = Session(ep=ep, key=_digest(key))
         messages = wire_messages(ep.prompt, ep.images)
         user = [m for m in messages if m["role"] == "user"]
         last = user[-1]["content"] if user else ""
@@ -1428,7 +1824,7 @@ class LoopbackServer:
         root, judge = f"http://127.0.0.1:{self.port}/s/{sid}", self.cfg.judge
         return ChatContext(messages=messages, prompt=text, label=ep.label, images=list(ep.images), tools=ep.tools,
                            sampling_params=dict(ep.sampling), base_url=root + "/v1", session_url=root,
-                           api_key=self.sessions[sid].key, model_name=self.model_name, session_id=sid,
+                           api_key=key, model_name=self.model_name, session_id=sid,
                            max_length=self.cfg.data.max_len, max_turns=self.cfg.rollout.max_turns,
                            judge_url=judge.url or f"http://127.0.0.1:{self.port}/v1",
                            judge_model=judge.model or self.model_name,
@@ -1442,14 +1838,31 @@ class LoopbackServer:
         """The request's session; without a session id in the path, a throwaway session (nothing is recorded)."""
         sid = request.match_info.get("sid")
         s = self.sessions.get(sid) if sid else Session(ep=Episode(None, None, [], None, {}, "", uuid.uuid4().hex),
-                                                        key=self.key)
+                                                        key=_digest(self.key))
         if s is None:
             raise WireError(404, "unknown or closed session", "not_found_error")
         auth = request.headers.get("Authorization", "")
         key = auth[7:] if auth.startswith("Bearer ") else request.headers.get("x-api-key", "")
-        if not secrets.compare_digest(key, s.key):
+        if not secrets.compare_digest(_digest(key), s.key):
             raise WireError(401, "invalid API key for this session", "authentication_error")
         return s
+
+    async def read_json(self, request) -> dict:
+        from aiohttp import web
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise WireError(413, f"request body larger than {self.cfg.server.max_body_mb:g} MiB "
+                                 "(--server.max-body-mb)", "request_too_large") from None
+        try:
+            body = json.loads(raw, parse_constant=_no_constant)  # NaN and Infinity are Python's, not JSON's
+        except (ValueError, RecursionError):
+            raise WireError(400, "request body is not valid JSON") from None
+        _require(isinstance(body, dict), "request body must be a JSON object")
+        problem = json_problem(body)
+        _require(problem is None, problem or "")
+        _string(body.get("model"), "model")
+        return body
 
     async def models(self, request):
         from aiohttp import web
@@ -1463,77 +1876,206 @@ class LoopbackServer:
         return web.json_response({"object": "list", "data": [entry], "has_more": False, "first_id": name,
                                   "last_id": name})
 
+    async def count_tokens(self, request):
+        """Anthropic's token counter: the prompt as this model's template and tokenizer would see it."""
+        from aiohttp import web
+        try:
+            self.authorize(request)
+            body = await self.read_json(request)
+            turn = decode_anthropic({**body, "max_tokens": 1})
+            _require(not image_parts(turn.messages) or self.codec.processor is not None, "this model does not take "
+                     "images")
+            images = await asyncio.to_thread(message_images, turn.messages, self.cfg.data)
+            text = self.codec.render(turn.messages, turn.tools, **turn.template)
+            ids, _, _ = await self.codec.encode_async(text, images)
+        except WireError as err:
+            return error_response(err, "anthropic")
+        except Exception as err:  # noqa: BLE001 - as in handle
+            return error_response(refusal(err) or WireError(500, f"{type(err).__name__}: {err}", "api_error"),
+                                  "anthropic")
+        return web.json_response({"input_tokens": len(ids)})
+
     async def handle(self, request):
+        from aiohttp import web
         wire = "openai" if request.match_info["endpoint"] == "chat/completions" else "anthropic"
+        s = None
         try:
             s = self.authorize(request)
-            try:
-                body = await request.json()
-            except ValueError:
-                raise WireError(400, "request body is not valid JSON")
-            _require(isinstance(body, dict), "request body must be a JSON object")
+            body = await self.read_json(request)
             turn = (decode_openai if wire == "openai" else decode_anthropic)(body)
-            async with s.lock:  # one turn at a time per session: a retry cannot double-record
-                reply = await self.turn(s, turn)
+            turn.retry = request.headers.get("x-stainless-retry-count", "0") not in ("", "0")
+            self.check_sampling(s, turn)
+            model = body.get("model") or self.model_name
+            async with s.lock:  # one turn at a time per session
+                if turn.stream:
+                    return await self.stream_turn(request, s, turn, wire, model)
+                replies = await self.turn(s, turn)
         except WireError as err:
             return error_response(err, wire)
-        except ValueError as err:  # the engine refused the request (e.g. a bad token or image)
-            return error_response(WireError(400, str(err)), wire)
-        except Exception as err:  # noqa: BLE001 - a 5xx in the wire's format; the session was not touched
-            return error_response(WireError(500, f"{type(err).__name__}: {err}", "api_error"), wire)
-        model = body.get("model") or self.model_name
-        if turn.stream:
-            pieces = [reply.text] if reply.calls else self.codec.text_pieces(reply.ids)
-            return await stream_reply(request, reply, pieces, wire, model, turn.usage_in_stream)
-        from aiohttp import web
-        return web.json_response((openai_reply if wire == "openai" else anthropic_reply)(reply, model))
+        except Exception as err:  # noqa: BLE001 - a refusal is a 4xx, a server-side failure (no engine left) a 5xx
+            return error_response(refusal(err) or WireError(500, f"{type(err).__name__}: {err}", "api_error"), wire)
+        finally:
+            if s is not None and "sid" not in request.match_info:
+                self.router.forget(s.ep.rollout_id)  # an unrecorded call leaves nothing behind
+        reply = openai_reply(replies, model) if wire == "openai" else anthropic_reply(replies[0], model)
+        return web.json_response(reply)
+
+    def check_sampling(self, s: Session, turn: Turn):
+        """The trainer corrects for the temperature each token was sampled at, but not for a different nucleus or
+        top-k (vLLM renormalises the log-probs over them): those must be the run's."""
+        def value(key, v):  # unset, top_p 1 and top_k <= 0 all mean "off"
+            return {"top_p": 1.0, "top_k": -1}[key] if v is None or (key == "top_k" and v <= 0) else v
+        for key in ("top_p", "top_k"):
+            asked, run = turn.sampling.get(key), s.ep.sampling.get(key)
+            if asked is not None and s.ep.sampling and value(key, asked) != value(key, run):
+                raise WireError(400, f"'{key}' must be this run's ({value(key, run)}): the trainer could not "
+                                     "correct the log-probs of tokens sampled with another")
 
     # -- one turn: token-exact accumulation over the session ----------------------------------------------------
-    async def turn(self, s: Session, turn: Turn) -> Reply:
-        """Sample the next assistant message. Only a turn that succeeds touches the session."""
-        msgs, tools = turn.messages, turn.tools
-        if msgs == s.last_messages and tools == s.last_tools and s.last_reply is not None:
-            return s.last_reply  # an identical re-send (a client retry): served from cache, nothing sampled
-        _require(not image_parts(msgs) or self.codec.processor is not None, "this model does not take images")
-        images = await asyncio.to_thread(message_images, msgs, self.cfg.data)  # decoding is slow: off the loop
-        text, new_images, seg = self.new_context(s, msgs, tools, images)
+    async def turn(self, s: Session, turn: Turn) -> list[Reply]:
+        """Sample the next assistant message(s). Only a turn that succeeds touches the session."""
+        if turn.retry and s.choices and turn.messages == s.last_messages and turn.tools == s.last_tools:
+            return [reply for reply, _ in s.choices]  # the SDK resent what it sent last: the same answer
+        prep = await self.prepare(s, turn)
+        return self.record(s, turn, prep, await self.router.generate(prep.request, s.ep.rollout_id))
+
+    async def prepare(self, s: Session, turn: Turn) -> Prepared:
+        _require(not image_parts(turn.messages) or self.codec.processor is not None, "this model does not take images")
+        images = await asyncio.to_thread(message_images, turn.messages, self.cfg.data)  # decoding is slow: off loop
+        text, new_images, seg = self.new_context(s, turn, images)
         ids, _, mm = await self.codec.encode_async(text, new_images)
         context = (seg.tokens if seg else []) + ids
         _require(len(context) < self.cfg.data.max_len, f"context of {len(context)} tokens reaches the model "
                  f"length {self.cfg.data.max_len}")
-        sampling = {**s.ep.sampling, **{k: v for k, v in turn.sampling.items() if v is not None}}
-        req = EngineRequest(context, ((seg.images if seg else []) + new_images) or None,
-                            turn_sampling(self.cfg, sampling, len(context)))
-        [c] = await self.router.generate(req, s.ep.rollout_id)
-        if seg is None:  # seal the previous segment (if any) and start a new token-exact one
-            seg = Sample(group_id=s.ep.group_id, rollout_id=s.ep.rollout_id, segment=len(s.segments))
-            s.segments.append(seg)
-        seg.add_context(ids, new_images, mm)
-        seg.add_turn(c)
-        s.last_messages, s.last_tools = msgs, tools
-        s.last_reply = self.reply(c, tools, len(context))
-        return s.last_reply
+        sampling = {**s.ep.sampling, **{k: v for k, v in turn.sampling.items() if v is not None},
+                    "n": turn.n, "logprobs": turn.top_logprobs or 0}
+        forced = self.forced_call(turn)
+        if forced:
+            _require(not sampling.get("structured_outputs"), "'tool_choice' and 'response_format' cannot be combined")
+            sampling["structured_outputs"] = forced
+        request = EngineRequest(context, ((seg.images if seg else []) + new_images) or None,
+                                turn_sampling(self.cfg, sampling, len(context)))
+        return Prepared(ids, new_images, mm, seg, request)
 
-    def new_context(self, s: Session, msgs: list[dict], tools, images: list):
-        """(text to tokenize, its images, the segment it extends). The segment is the open one when msgs continue
-        the session's last turn exactly (earlier messages equal, then the model's reply, then new messages, and the
-        template renders the old part unchanged); otherwise None, and the whole conversation opens a new segment."""
-        full, n = self.codec.render(msgs, tools), len(s.last_messages or [])
-        seg = s.segments[-1] if s.segments else None
-        if seg is None or len(msgs) <= n + 1 or msgs[:n] != s.last_messages or msgs[n]["role"] != "assistant":
+    def new_context(self, s: Session, turn: Turn, images: list):
+        """(text to tokenize, its images, the segment it extends). The segment is the one whose reply the request
+        repeats exactly (earlier messages equal, then that reply unedited, then new messages, and the template
+        renders the old part unchanged); otherwise None, and the whole conversation opens a new segment."""
+        msgs, tools = turn.messages, self.shown_tools(turn)
+        full, n = self.codec.render(msgs, tools, **turn.template), len(s.last_messages or [])
+        if len(msgs) <= n + 1 or msgs[:n] != s.last_messages or msgs[n]["role"] != "assistant":
             return full, images, None
-        prefix = self.codec.render(msgs[:n + 1], tools, generation=False)
-        if not full.startswith(prefix):  # the template re-rendered an earlier turn
+        seg = next((seg for reply, seg in s.choices if canonical(msgs[n]) == canonical(reply_message(reply))), None)
+        prefix = self.codec.render(msgs[:n + 1], tools, generation=False, **turn.template)
+        if seg is None or not full.startswith(prefix):  # an edited reply, or a template that re-renders old turns
             return full, images, None
         new = len(image_parts(msgs[n + 1:]))  # the images of the new messages: the last ones
         return self.codec.closing(seg.tokens) + full[len(prefix):], images[len(images) - new:], seg
 
-    def reply(self, c: Completion, tools, prompt_tokens: int) -> Reply:
+    def shown_tools(self, turn: Turn) -> list | None:
+        return None if turn.tool_choice == "none" else turn.tools
+
+    def forced_call(self, turn: Turn) -> dict | None:
+        """tool_choice required / a named tool, as vLLM structured outputs: exactly one call of one of the (or the)
+        tools, written the way this model's chat template writes calls, its arguments held to the tool's schema."""
+        if turn.tool_choice in ("auto", "none"):
+            return None
+        _require(self.call_format is not None, "this model's chat template writes no tool calls: tool_choice "
+                 "cannot force one")
+        head, middle, tail = self.call_format
+        tags = [{"type": "tag", "begin": head + t["function"]["name"] + middle, "end": tail,
+                 "content": {"type": "json_schema", "json_schema": t["function"].get("parameters") or {}}}
+                for t in turn.tools if turn.tool_choice in ("required", t["function"]["name"])]
+        tag = {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags, "separator": "",
+                                                    "at_least_one": True, "stop_after_first": True}}
+        return {"structural_tag": json.dumps(tag)}
+
+    def record(self, s: Session, turn: Turn, prep: Prepared, completions: list[Completion]) -> list[Reply]:
+        """Append each completion to its segment. One choice extends the segment it continues (or opens one); with
+        n > 1 every choice opens its own, the conversation so far as context, so no earlier token trains twice."""
+        choices, prompt_tokens = [], len(prep.request.ids)
+        for c in completions:
+            seg = prep.seg if len(completions) == 1 else None
+            if seg is None:
+                seg = Sample(group_id=s.ep.group_id, rollout_id=s.ep.rollout_id, segment=len(s.segments))
+                s.segments.append(seg)
+                if prep.seg is not None:  # n > 1 after earlier turns: their tokens, as context here
+                    seg.add_context(prep.seg.tokens, prep.seg.images, prep.seg.mm)
+            seg.add_context(prep.ids, prep.images, prep.mm)
+            seg.add_turn(c)
+            choices.append((self.reply(c, turn, prompt_tokens), seg))
+        s.last_messages, s.last_tools, s.choices = turn.messages, turn.tools, choices
+        return [reply for reply, _ in choices]
+
+    def reply(self, c: Completion, turn: Turn, prompt_tokens: int) -> Reply:
         raw = self.codec.decode(c.ids)
-        text, calls = parse_tool_calls(raw) if tools else (raw, [])
+        stop = c.stop_reason if isinstance(c.stop_reason, str) and c.stop_reason in raw else None
+        raw = raw[:raw.index(stop)] if stop else raw  # the matched stop string stays in the tokens, not the text
+        text, calls = parse_tool_calls(raw) if self.shown_tools(turn) else (raw, [])
         finish = "tool_calls" if calls else ("length" if c.finish_reason == "length" else "stop")
         return Reply(id="chatcmpl-" + uuid.uuid4().hex[:24], text=text, calls=calls, finish=finish, ids=c.ids,
-                     prompt_tokens=prompt_tokens)
+                     prompt_tokens=prompt_tokens, stop=stop,
+                     logprobs=None if turn.top_logprobs is None else self.logprob_entries(c))
+
+    def logprob_entries(self, c: Completion) -> list[dict]:
+        """OpenAI's logprobs.content: each sampled token with its log-prob (the engine's, at the sampling
+        temperature) and the most likely alternatives."""
+        def entry(t: int, lp: float) -> dict:
+            piece = self.codec.tokenizer.decode([t])
+            return {"token": piece, "logprob": lp, "bytes": list(piece.encode())}
+        return [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
+                for t, lp, top in zip(c.ids, c.logprobs, c.top or [[] for _ in c.ids])]
+
+    async def stream_turn(self, request, s: Session, turn: Turn, wire: str, model: str):
+        """Server-sent events in the wire's own format, text deltas leaving as the engine samples them; the
+        recorded Sample is the one the same request without stream would have made."""
+        from aiohttp import web
+        _require(turn.n == 1, "'n' > 1 cannot be streamed")
+        prep = await self.prepare(s, turn)
+        items = aiter(self.router.stream(prep.request, s.ep.rollout_id))
+        item = await anext(items)  # vLLM checks a request before its first token: a refusal is still a 4xx here
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        events = (OpenAIEvents if wire == "openai" else AnthropicEvents)(model, len(prep.request.ids),
+                                                                          turn.usage_in_stream)
+        await send_events(resp, events.head())
+        text, reply = TextStream(self.codec, prep.request.sampling.get("stop") or [], bool(self.shown_tools(turn))), None
+        try:
+            while not isinstance(item, Completion):
+                await send_events(resp, events.text(text.push(item["ids"])))
+                item = await anext(items)
+            [reply] = self.record(s, turn, prep, [item])
+            await send_events(resp, events.text(text.rest(reply.text)) + events.tail(reply))
+        except Exception as err:  # noqa: BLE001 - the headers are gone: the error travels as an event
+            await send_events(resp, events.error(f"{type(err).__name__}: {err}"))
+        await resp.write_eof()
+        return resp
+
+
+def refusal(err: Exception) -> WireError | None:
+    """A 400 when the request itself was refused: by the chat template (raise_exception, a bad value), by the
+    tokenizer or processor (ValueError), or by vLLM's input checks (VLLMClientError, e.g. a tool schema its grammar
+    compiler rejects; matched by name so the pool need not import vLLM). Ray wraps an actor's error: its cause
+    decides."""
+    cause = getattr(err, "cause", None) or err
+    names = {c.__name__ for c in type(cause).__mro__}
+    if names & {"ValueError", "TemplateError", "VLLMClientError"}:
+        return WireError(400, f"request refused: {str(cause)[:500]}")
+    return None
+
+
+async def wire_errors(request, handler):
+    """aiohttp's own refusals (an unknown path or method, a body over the limit) in the wire's JSON error shape."""
+    from aiohttp import web
+    try:
+        return await handler(request)
+    except web.HTTPException as err:
+        if err.status < 400:
+            raise
+        kind = {404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large"}.get(err.status,
+                                                                                                  "invalid_request_error")
+        return error_response(WireError(err.status, f"{err.reason}: {request.method} {request.path}", kind),
+                              "anthropic" if "/messages" in request.path else "openai")
 
 
 def error_response(err: WireError, wire: str):
@@ -1543,82 +2085,130 @@ def error_response(err: WireError, wire: str):
     return web.json_response(body, status=err.status)
 
 
-def openai_reply(r: Reply, model: str) -> dict:
+def openai_message(r: Reply) -> dict:
     msg = {"role": "assistant", "content": r.text if (r.text or not r.calls) else None}
     if r.calls:
         msg["tool_calls"] = [{"id": c["id"], "type": "function",
                               "function": {"name": c["name"], "arguments": c["arguments"]}} for c in r.calls]
+    return msg
+
+
+def openai_reply(replies: list[Reply], model: str) -> dict:
+    r, out = replies[0], sum(len(x.ids) for x in replies)
     return {"id": r.id, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": msg, "finish_reason": r.finish, "logprobs": None}],
-            "usage": {"prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.ids),
-                      "total_tokens": r.prompt_tokens + len(r.ids)}}
+            "choices": [{"index": i, "message": openai_message(x), "finish_reason": x.finish,
+                         "logprobs": None if x.logprobs is None else {"content": x.logprobs}}
+                        for i, x in enumerate(replies)],
+            "usage": {"prompt_tokens": r.prompt_tokens, "completion_tokens": out, "total_tokens": r.prompt_tokens + out}}
 
 
-ANTHROPIC_STOP = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+def anthropic_stop(r: Reply) -> str:
+    return "tool_use" if r.calls else ("max_tokens" if r.finish == "length" else
+                                       "stop_sequence" if r.stop else "end_turn")
 
 
 def _anthropic_blocks(r: Reply) -> list[dict]:
     blocks = [{"type": "text", "text": r.text}] if r.text or not r.calls else []
     return blocks + [{"type": "tool_use", "id": "toolu_" + c["id"][5:], "name": c["name"],
-                      "input": json.loads(c["arguments"])} for c in r.calls]
+                      "input": _json_object(c["arguments"])} for c in r.calls]
+
+
+def _json_object(arguments: str) -> dict:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {"arguments": arguments}
+    return value if isinstance(value, dict) else {"arguments": value}
 
 
 def anthropic_reply(r: Reply, model: str) -> dict:
     return {"id": "msg_" + r.id[9:], "type": "message", "role": "assistant", "model": model,
-            "content": _anthropic_blocks(r), "stop_reason": ANTHROPIC_STOP[r.finish], "stop_sequence": None,
+            "content": _anthropic_blocks(r), "stop_reason": anthropic_stop(r), "stop_sequence": r.stop,
             "usage": {"input_tokens": r.prompt_tokens, "output_tokens": len(r.ids)}}
 
 
-async def stream_reply(request, r: Reply, pieces: list[str], wire: str, model: str, usage: bool):
-    """Server-sent events in the wire's own format; the pieces concatenate to the non-streamed reply's text."""
-    from aiohttp import web
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    events = openai_events(r, pieces, model, usage) if wire == "openai" else anthropic_events(r, pieces, model)
+async def send_events(resp, events: list):
+    """Write (event name or None, data) pairs as server-sent events."""
     for name, data in events:
         head = f"event: {name}\n" if name else ""
         await resp.write(f"{head}data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode())
-    await resp.write_eof()
-    return resp
 
 
-def openai_events(r: Reply, pieces: list[str], model: str, usage: bool):
-    head = {"id": r.id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+class OpenAIEvents:
+    """The chat.completion.chunk stream: the role, content deltas, tool-call deltas, the finish, usage, [DONE]."""
 
-    def chunk(delta, finish=None):
-        return None, {**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-    yield chunk({"role": "assistant", "content": ""})
-    for piece in pieces:
-        yield chunk({"content": piece})
-    for i, c in enumerate(r.calls):
-        yield chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
-                                     "function": {"name": c["name"], "arguments": c["arguments"]}}]})
-    yield chunk({}, r.finish)
-    if usage:
-        yield None, {**head, "choices": [], "usage": openai_reply(r, model)["usage"]}
-    yield None, "[DONE]"
+    def __init__(self, model: str, prompt_tokens: int, usage: bool):
+        self.id, self.usage, self.prompt_tokens = "chatcmpl-" + uuid.uuid4().hex[:24], usage, prompt_tokens
+        self.base = {"id": self.id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+
+    def chunk(self, delta: dict, finish=None):
+        return None, {**self.base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+    def head(self):
+        return [self.chunk({"role": "assistant", "content": ""})]
+
+    def text(self, piece: str):
+        return [self.chunk({"content": piece})] if piece else []
+
+    def tail(self, r: Reply):
+        out = [self.chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                           "function": {"name": c["name"], "arguments": c["arguments"]}}]})
+               for i, c in enumerate(r.calls)]
+        out.append(self.chunk({}, r.finish))
+        if self.usage:
+            n = len(r.ids)
+            out.append((None, {**self.base, "choices": [], "usage": {"prompt_tokens": self.prompt_tokens,
+                                                                      "completion_tokens": n,
+                                                                      "total_tokens": self.prompt_tokens + n}}))
+        return out + [(None, "[DONE]")]
+
+    def error(self, message: str):
+        return [(None, {"error": {"message": message, "type": "api_error", "param": None, "code": None}})]
 
 
-def anthropic_events(r: Reply, pieces: list[str], model: str):
-    msg = {**anthropic_reply(r, model), "content": [], "stop_reason": None}
-    yield "message_start", {"type": "message_start", "message": {**msg, "usage": {**msg["usage"], "output_tokens": 0}}}
-    for i, block in enumerate(_anthropic_blocks(r)):
-        if block["type"] == "text":
-            yield "content_block_start", {"type": "content_block_start", "index": i,
-                                          "content_block": {"type": "text", "text": ""}}
-            for piece in pieces:
-                yield "content_block_delta", {"type": "content_block_delta", "index": i,
-                                              "delta": {"type": "text_delta", "text": piece}}
-        else:
-            yield "content_block_start", {"type": "content_block_start", "index": i,
-                                          "content_block": {**block, "input": {}}}
-            yield "content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
-                "type": "input_json_delta", "partial_json": json.dumps(block["input"])}}
-        yield "content_block_stop", {"type": "content_block_stop", "index": i}
-    yield "message_delta", {"type": "message_delta", "delta": {"stop_reason": ANTHROPIC_STOP[r.finish],
-                                                               "stop_sequence": None},
-                            "usage": {"output_tokens": len(r.ids)}}
-    yield "message_stop", {"type": "message_stop"}
+class AnthropicEvents:
+    """The messages stream: message_start, a text block as text arrives, tool_use blocks, message_delta (why it
+    stopped, output tokens), message_stop."""
+
+    def __init__(self, model: str, prompt_tokens: int, usage: bool):
+        self.model, self.prompt_tokens, self.open_text = model, prompt_tokens, False
+        self.id = "msg_" + uuid.uuid4().hex[:24]
+
+    def head(self):
+        message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+                   "stop_reason": None, "stop_sequence": None,
+                   "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}
+        return [("message_start", {"type": "message_start", "message": message})]
+
+    def text(self, piece: str):
+        if not piece:
+            return []
+        return (self.start_text() if not self.open_text else []) + [
+            ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                     "delta": {"type": "text_delta", "text": piece}})]
+
+    def start_text(self):
+        self.open_text = True
+        return [("content_block_start", {"type": "content_block_start", "index": 0,
+                                         "content_block": {"type": "text", "text": ""}})]
+
+    def tail(self, r: Reply):
+        out = self.start_text() if not self.open_text and not r.calls else []  # an empty reply has its text block
+        out += [("content_block_stop", {"type": "content_block_stop", "index": 0})] if self.open_text else []
+        calls = [b for b in _anthropic_blocks(r) if b["type"] == "tool_use"]
+        for i, block in enumerate(calls, start=int(self.open_text)):
+            out += [("content_block_start", {"type": "content_block_start", "index": i,
+                                             "content_block": {**block, "input": {}}}),
+                    ("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
+                        "type": "input_json_delta", "partial_json": json.dumps(block["input"])}}),
+                    ("content_block_stop", {"type": "content_block_stop", "index": i})]
+        return out + [("message_delta", {"type": "message_delta",
+                                         "delta": {"stop_reason": anthropic_stop(r), "stop_sequence": r.stop},
+                                         "usage": {"output_tokens": len(r.ids)}}),
+                      ("message_stop", {"type": "message_stop"})]
+
+    def error(self, message: str):
+        return [("error", {"type": "error", "error": {"type": "api_error", "message": message}})]
 
 
 # ======================================================================================================
@@ -1839,9 +2429,11 @@ class RolloutManager:
         except Exception as err:  # noqa: BLE001 - a pool that raises (no engine left, a bug) stops the run
             self.fatal = err
         finally:
-            self.tasks.pop(asyncio.current_task(), None)
+            task = asyncio.current_task()
+            self.tasks.pop(task, None)
             self.changed.set()
-            self.fill()
+            if not task.cancelling():  # shutting down: start nothing new
+                self.fill()
 
     def count(self, key: str, n: float = 1):
         self.counts[key] = self.counts.get(key, 0) + n
@@ -2242,8 +2834,9 @@ class TrainInputs:
     values: dict | None = None  # the critic's values before the update (value clip)
 
 
-def collate(samples: list[Sample], idx: list[int], inputs: TrainInputs | None, device):
-    """Right-padded micro-batch. -1 entries are copies of sample 0 with an all-zero mask (FSDP padding)."""
+def collate(samples: list[Sample], idx: list[int], inputs: TrainInputs | None, device, temperature: float = 1.0):
+    """Right-padded micro-batch. -1 entries are copies of sample 0 with an all-zero mask (FSDP padding). Each token's
+    sampling temperature comes from its Sample, else `temperature` (the run's)."""
     import torch
     rows = [samples[i] if i >= 0 else samples[0] for i in idx]
     T = max(len(s.tokens) for s in rows)
@@ -2254,7 +2847,9 @@ def collate(samples: list[Sample], idx: list[int], inputs: TrainInputs | None, d
           "attn": pad([[1] * len(s.tokens) for s in rows], 0, torch.long),
           "mask": pad([s.mask[1:] if i >= 0 else [0] * (len(s.tokens) - 1) for s, i in zip(rows, idx)], 0,
                       torch.float, T - 1),
-          "behaviour": pad([s.logprobs[1:] for s in rows], 0.0, torch.float, T - 1)}
+          "behaviour": pad([s.logprobs[1:] for s in rows], 0.0, torch.float, T - 1),
+          "temperature": pad([[temperature if t is None else t for t in (s.temperatures or [None] * len(s.tokens))[1:]]
+                              for s in rows], temperature, torch.float, T - 1)}
     for f in dataclasses.fields(TrainInputs):
         per_sample = getattr(inputs, f.name) if inputs is not None else None
         if per_sample is not None:
@@ -2275,12 +2870,15 @@ def model_forward(model, mb: dict, image_token: int | None):
     return model(input_ids=mb["ids"], attention_mask=mb["attn"], use_cache=False, **kw).logits
 
 
-def token_logprobs(logits, ids, temperature: float, with_entropy=False, media: list[int] = ()):
-    """log p(ids[t + 1] | ids[:t + 1]) at the sampling temperature, in fp32: [b, T - 1] (+ entropy [b, T - 1]).
-    Media placeholder ids get the engine's logit bias first, so both sides sample from the same distribution."""
+def token_logprobs(logits, ids, temperature, with_entropy=False, media: list[int] = ()):
+    """log p(ids[t + 1] | ids[:t + 1]) at the sampling temperature (a number, or [b, T - 1] per token), in fp32:
+    [b, T - 1] (+ entropy [b, T - 1]). Media placeholder ids get the engine's logit bias first, so both sides sample
+    from the same distribution."""
     logits = logits[:, :-1].float()
     if media:
         logits[..., list(media)] += MEDIA_BIAS
+    if not isinstance(temperature, (int, float)):
+        temperature = temperature[..., None]  # [b, T - 1, 1]
     logp = (logits / temperature).log_softmax(-1)
     lp = logp.gather(-1, ids[:, 1:, None])[..., 0]
     return (lp, -(logp.exp() * logp).sum(-1)) if with_entropy else (lp, None)
@@ -2290,7 +2888,7 @@ def policy_microbatch_loss(w, mb: dict, n_tokens: float, n_seqs: float):
     """The policy's share of the batch loss for one micro-batch, and its metrics as (sum, count) pairs."""
     import torch
     logits = model_forward(w.model, mb, w.image_token)
-    logp, entropy = token_logprobs(logits, mb["ids"], w.cfg.rollout.temperature, True, w.media)
+    logp, entropy = token_logprobs(logits, mb["ids"], mb["temperature"], True, w.media)
     mask = mb["mask"]
     old = mb["old"] if "old" in mb else logp.detach()
     loss_tok, st = policy_loss(w.cfg.algo, logp, old, mb["behaviour"], mb["adv"], mask, mb.get("ref"),
@@ -2419,7 +3017,7 @@ class ModelWorker:
 
     def __init__(self, cfg: Config, model_path: str, role: str, rank: int, world: int):
         self.cfg, self.path, self.role, self.rank, self.world = cfg, model_path, role, rank, world
-        self.spec = ROLES[role]
+        self.spec, self.shm = ROLES[role], None  # shm: the weight-sync buffers (§11), rank 0 only
         resolve_loss_defaults(cfg.algo)  # a Config built in code rather than parsed still gets its loss's defaults
 
     def address(self):
@@ -2470,10 +3068,10 @@ class ModelWorker:
         with torch.no_grad():
             for m in range(len(plan)):
                 for idx in self.micro_batches(plan, m):
-                    mb = collate(samples, idx, None, self.device)
+                    mb = collate(samples, idx, None, self.device, self.cfg.rollout.temperature)
                     logits = model_forward(self.model, mb, self.image_token)
                     vals = logits[:, :-1, 0].float() if self.spec.value else \
-                        token_logprobs(logits, mb["ids"], self.cfg.rollout.temperature, media=self.media)[0]
+                        token_logprobs(logits, mb["ids"], mb["temperature"], media=self.media)[0]
                     for j, i in enumerate(idx):
                         if i >= 0:
                             out[i] = vals[j, :len(samples[i].tokens) - 1].cpu().numpy()
@@ -2491,7 +3089,8 @@ class ModelWorker:
         for _ in range(self.cfg.train.epochs):
             for m in range(len(plan)):
                 for idx in self.micro_batches(plan, m):
-                    loss, stats = self.spec.loss(self, collate(batch, idx, inputs, self.device), *counts[m])
+                    mb = collate(batch, idx, inputs, self.device, self.cfg.rollout.temperature)
+                    loss, stats = self.spec.loss(self, mb, *counts[m])
                     (loss * self.world).backward()  # FSDP averages gradients over ranks; the loss is a global sum
                     for key, (num, den) in stats.items():
                         add(key, num, den)
@@ -2511,8 +3110,26 @@ class ModelWorker:
         self.optim.zero_grad(set_to_none=True)
         return float(norm)
 
-    def export_weights(self, bucket_mb: int) -> dict | None:
-        return export_buckets(self.model, self.rank, self.tied, bucket_mb)  # §11
+    def export_weights(self, bucket_mb: int, local: bool = True, store: bool = False) -> dict | None:
+        if local and self.rank == 0:
+            self.shm = self.shm or ShmBuckets()
+        return export_buckets(self.model, self.rank, self.tied, bucket_mb, self.shm if local else None, store)  # §11
+
+    def release_weights(self):
+        if self.shm:
+            self.shm.close()
+
+    def native_sync(self, engines: list, version: int) -> dict | None:
+        """One update through vLLM's NCCL transfer (§11); -> the engines' reports and the bytes sent, on rank 0."""
+        self.sender = getattr(self, "sender", None) or native_sender(self, engines)
+        self.sender.client.version = version
+        self.sender.send_weights()
+        sent = sum(p.numel() * p.element_size() for p in self.model.state_dict().values())
+        return {"reports": self.sender.client.reports, "bytes": sent} if self.rank == 0 else None
+
+    def node(self) -> tuple[str, bool]:
+        import ray
+        return ray.get_runtime_context().get_node_id(), _cuda()
 
     def save(self, out: str):
         """HF-format model directory (loadable as is by transformers and vLLM) + optimizer, scheduler and RNG."""
@@ -2767,25 +3384,128 @@ def checkpoint_names(model, tensors: dict, tied: bool) -> dict:
     return {k: v for k, v in tensors.items() if not (tied and k == "lm_head.weight")}
 
 
-def export_buckets(model, rank: int, tied: bool, bucket_mb: int) -> dict | None:
-    """Buckets of checkpoint-named tensors put in the Ray object store: {"refs", "bytes"} on rank 0, None elsewhere
-    (every rank iterates: gathering a full tensor is a collective)."""
+def export_buckets(model, rank: int, tied: bool, bucket_mb: int, shm: "ShmBuckets | None", store: bool) -> dict | None:
+    """Checkpoint-named tensors in buckets of about bucket_mb, on rank 0 (every rank iterates: gathering a full tensor
+    is a collective): written into the shared-memory files `shm` (engines on this node), put in the Ray object store
+    when `store` (engines on other nodes). -> {"files", "refs", "bytes"} on rank 0, None elsewhere."""
     import ray
-    refs, bucket, size, total = [], {}, 0, 0
+    out, bucket, size = {"files": [], "refs": [], "bytes": 0}, {}, 0
+
+    def flush():
+        named = checkpoint_names(model, bucket, tied)
+        if shm is not None:
+            out["files"].append(shm.write(len(out["files"]), named))
+        if store:
+            out["refs"].append(ray.put(named))
+        out["bytes"] += size
+
     for name, t in full_state(model):
         if rank != 0:
             continue
         bucket[name], size = t, size + t.numel() * t.element_size()
         if size >= bucket_mb << 20:
-            refs.append(ray.put(checkpoint_names(model, bucket, tied)))
-            bucket, total, size = {}, total + size, 0
+            flush()
+            bucket, size = {}, 0
     if rank != 0:
         return None
-    refs += [ray.put(checkpoint_names(model, bucket, tied))] if bucket else []
-    return {"refs": refs, "bytes": total + size}
+    if bucket:
+        flush()
+    return out
 
 
-async def engine_update(actor: EngineActor, buckets: list, version: int, check: bool = False) -> dict:
+ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+             "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
+             "F8_E5M2": "float8_e5m2"}
+ST_NAMES = {v: k for k, v in ST_DTYPES.items()}  # "float32" (str(torch dtype) without "torch.") -> "F32"
+
+
+def shm_dir() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
+class ShmBuckets:
+    """Weight-sync buffers in shared memory: one safetensors file per bucket, created once (space reserved with
+    fallocate, so a full /dev/shm is an ENOSPC here, not a SIGBUS later) and overwritten in place at every sync, so
+    after the first sync its pages stay allocated and mapped on both sides and an update costs one copy into the
+    file and one out of it per engine. The files carry the writer's pid and are removed by close(), or by the next
+    ShmBuckets of any process once the writer is dead (a killed run)."""
+
+    def __init__(self):
+        self.prefix = f"molt-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.maps: dict[str, Any] = {}  # path -> the whole file as a shared uint8 tensor
+        for old in shm_dir().glob("molt-weights-*"):
+            if not _pid_alive(int(old.name.split("-")[2])):
+                old.unlink(missing_ok=True)
+
+    def buffer(self, path: str, size: int):
+        import torch
+        if path in self.maps and self.maps[path].numel() == size:
+            return self.maps[path]
+        if (need := size + (16 << 20)) > (free := shutil.disk_usage(shm_dir()).free):
+            raise OSError(28, f"{shm_dir()} has {free >> 20} MiB free; a weight bucket needs {need >> 20} MiB")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
+        self.maps[path] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        return self.maps[path]
+
+    def write(self, k: int, tensors: dict) -> str:
+        """tensors -> bucket file k, largest element size first (so every tensor starts aligned for a view)."""
+        import torch
+        items = sorted(tensors.items(), key=lambda kv: -kv[1].element_size())
+        header, offset = {}, 0
+        for name, t in items:
+            n = t.numel() * t.element_size()
+            header[name] = {"dtype": ST_NAMES[str(t.dtype)[6:]], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+            offset += n
+        head = json.dumps(header).encode()
+        head += b" " * (-len(head) % 8)
+        path = str(shm_dir() / f"{self.prefix}-{k}.safetensors")
+        buf = self.buffer(path, 8 + len(head) + offset)
+        buf[:8 + len(head)] = torch.frombuffer(bytearray(len(head).to_bytes(8, "little") + head), dtype=torch.uint8)
+        for name, t in items:
+            start, end = header[name]["data_offsets"]
+            buf[8 + len(head) + start:8 + len(head) + end] = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        return path
+
+    def close(self):
+        self.maps.clear()
+        for f in shm_dir().glob(self.prefix + "-*"):
+            f.unlink(missing_ok=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def read_bucket(path: str, maps: dict) -> list[tuple[str, Any]]:
+    """A bucket file -> [(name, tensor)], each a view of the shared mapping (no copy; the mapping is kept in `maps`
+    across syncs, so its pages are faulted in once)."""
+    import torch
+    st = os.stat(path)
+    key = (path, st.st_ino, st.st_size)
+    if key not in maps:
+        maps[key] = torch.from_file(path, shared=True, size=st.st_size, dtype=torch.uint8)  # MAP_SHARED: sees rewrites
+    buf = maps[key]
+    n = int.from_bytes(bytes(buf[:8].tolist()), "little")
+    header = json.loads(bytes(buf[8:8 + n].tolist()))
+    out = []
+    for name, h in header.items():
+        start, end = h["data_offsets"]
+        t = buf[8 + n + start:8 + n + end].view(getattr(torch, ST_DTYPES[h["dtype"]]))
+        out.append((name, t.reshape(h["shape"])))
+    return out
+
+
+async def engine_update(actor: EngineActor, source: dict, version: int, check: bool = False) -> dict:
     """One weight update of one engine: pause (requests kept in place; abort mode restarts them), stage, load, resume
     as `version`. A token's version must name the weights that fully produced it, so a failure never relabels:
     - staging fails (no space in shared memory, a lost object): nothing was loaded, so the engine resumes with its old
@@ -2801,51 +3521,39 @@ async def engine_update(actor: EngineActor, buckets: list, version: int, check: 
     where = {"engine": actor.index, "version": version}
     report = {"engine": actor.index, "version": version, "missing": None, "failed": None}
     try:
-        files = await stage_buckets(buckets, where)
+        files = await stage(actor, source, where)
     except Exception as err:  # noqa: BLE001 - nothing was loaded: the old weights and label stay true
         await engine_resume(actor, actor.version)
         return {**report, "version": actor.version, "failed": f"{type(err).__name__}: {err}",
                 "tokens_discarded": actor.tokens_discarded}
-    try:
-        for attempt in (1, 2):
-            try:
-                report["missing"] = (await actor.engine.collective_rpc("molt_load_weights",
-                                                                       args=(files, check, where)))[0]
-                break
-            except Exception as err:  # noqa: BLE001
-                _exit_if_engine_dead(err)
-                if attempt == 2:
-                    _leave(f"loading version {version} failed twice ({type(err).__name__}: {err}); its weights are "
-                           "now partly new, so this engine leaves the run")
-    finally:
-        for f in files:
-            Path(f).unlink(missing_ok=True)
+    for attempt in (1, 2):
+        try:
+            report["missing"] = (await actor.engine.collective_rpc("molt_load_weights", args=(files, check, where)))[0]
+            break
+        except Exception as err:  # noqa: BLE001
+            _exit_if_engine_dead(err)
+            if attempt == 2:
+                _leave(f"loading version {version} failed twice ({type(err).__name__}: {err}); its weights are "
+                       "now partly new, so this engine leaves the run")
     await engine_resume(actor, version)
     return {**report, "tokens_discarded": actor.tokens_discarded}
 
 
-async def stage_buckets(buckets: list, where: dict) -> list[str]:
-    """buckets: ObjectRefs of {checkpoint name: tensor} dicts. vLLM's workers are other processes on this node: the
-    tensors reach them as safetensors files in shared memory, which they map instead of receiving the bytes over a
-    socket. The free space is checked before each file is written; on any failure nothing is left behind."""
+async def stage(actor: EngineActor, source: dict, where: dict) -> list[str]:
+    """The bucket files this engine's workers load: on the trainer's node, the trainer's own (written once for every
+    engine there); on another node the buckets come through the Ray object store and this engine writes them into
+    shared memory on its node first."""
     import errno
-
-    from safetensors.torch import save_file
-    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    files = []
-    try:
-        for k, ref in enumerate(buckets):
-            tensors = {name: v.contiguous() for name, v in (await ref).items()}
-            need, free = sum(v.nbytes for v in tensors.values()) + (16 << 20), shutil.disk_usage(shm).free
-            if need > free or (k == len(buckets) - 1 and fault("stage", **where)):
-                raise OSError(errno.ENOSPC, f"{shm} has {free >> 20} MiB free; bucket {k + 1} of {len(buckets)} "
-                                            f"needs {need >> 20} MiB")
-            files.append(str(shm / f"molt-{uuid.uuid4().hex}.safetensors"))
-            save_file(tensors, files[-1])
-    except BaseException:
-        for f in files:
-            Path(f).unlink(missing_ok=True)
-        raise
+    if source.get("files"):
+        files = source["files"]
+    else:
+        actor.shm = actor.shm or ShmBuckets()
+        files = [actor.shm.write(k, await ref) for k, ref in enumerate(source["refs"])]
+    if fault("stage", **where):
+        raise OSError(errno.ENOSPC, f"{shm_dir()}: no space left (injected)")
+    missing = [f for f in files if not os.path.exists(f)]
+    if missing:  # "same node" but another /dev/shm (a container boundary): nothing to load
+        raise FileNotFoundError(f"{len(missing)} weight files not visible from this engine, e.g. {missing[0]}")
     return files
 
 
@@ -2871,12 +3579,91 @@ async def vllm_pause(engine, mode: str):
     await engine.engine_core.pause_scheduler_async(mode=mode, clear_cache=False)
 
 
+# vLLM's own weight transfer on CUDA. Assumes vLLM 0.32 (vllm.distributed.weight_transfer): the trainer's rank 0 is NCCL
+# rank 0 of a group with every engine worker; vLLM's trainer engine drives the four calls of its VLLMWeightSyncClient
+# protocol, which EngineSyncClient maps onto Molt's engine actors with Molt's semantics: start pauses with requests
+# kept, finish labels the new version and resumes (engine_resume). Not exercised on the development machine (no GPU):
+# scripts/gpu_check.py's weight-sync check does.
+async def _native_init(actor: EngineActor, info: dict):
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+    info = {**info, "rank_offset": 1 + actor.index * actor.cfg.engine.tp_size}  # engine i's workers after i-1's
+    await actor.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+
+
+async def _native_start(actor: EngineActor, _):
+    actor.resumed.clear()
+    await vllm_pause(actor.engine, "keep")
+    await actor.engine.start_weight_update()
+
+
+async def _native_chunk(actor: EngineActor, info: dict):
+    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+    await actor.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+
+
+async def _native_finish(actor: EngineActor, version: int) -> dict:
+    await actor.engine.finish_weight_update()
+    await engine_resume(actor, version)
+    return {"engine": actor.index, "version": version, "missing": None, "failed": None,
+            "tokens_discarded": actor.tokens_discarded}
+
+
+NATIVE_TRANSFER = {"init": _native_init, "start": _native_start, "chunk": _native_chunk, "finish": _native_finish}
+
+
+class EngineSyncClient:
+    """vLLM's VLLMWeightSyncClient protocol over Molt's engine actors (every call goes to every engine)."""
+
+    def __init__(self, engines: list):
+        self.engines, self.version, self.reports = engines, 0, []
+
+    def _all(self, call: str, arg=None) -> list:
+        import ray
+        return ray.get([e.transfer.remote(call, arg) for e in self.engines])
+
+    def init_weight_transfer_engine(self, init_info: dict):
+        self._all("init", init_info)
+
+    def start_weight_update(self):
+        self._all("start")
+
+    def update_weights(self, update_info: dict):
+        self._all("chunk", update_info)
+
+    def finish_weight_update(self, weight_version=None):
+        self.reports = self._all("finish", self.version)
+
+
+def native_sender(worker, engines: list):
+    """The trainer side (every rank: gathering a full tensor is a collective; rank 0 sends)."""
+    import torch
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+    model, tied = worker.model, worker.tied
+
+    def named(name, t):  # an in-memory tensor -> its checkpoint-named tensors (metadata: on the meta device)
+        return checkpoint_names(model, {name: t}, tied).items()
+
+    class Source(WeightSource):
+        def metadata(self):
+            return [ParamMeta(n, t.dtype, tuple(t.shape)) for name, p in model.state_dict().items()
+                    for n, t in named(name, torch.empty(p.shape, dtype=p.dtype, device="meta"))]
+
+        def __iter__(self):
+            for name, p in model.state_dict().items():
+                yield from named(name, p.full_tensor() if hasattr(p, "full_tensor") else p)
+
+    addr, port = worker.address()
+    info = NCCLTrainerInitInfo(rank=worker.rank, master_address=addr, master_port=port,
+                               world_size=1 + len(engines) * worker.cfg.engine.tp_size)
+    return NCCLTrainerWeightTransferEngine.trainer_init(info, client=EngineSyncClient(engines), source=Source())
+
+
 class EngineWorker:
     """Mixed into vLLM's GPU/CPU worker (engine_args' worker_extension_cls); called through collective_rpc."""
 
     def molt_load_weights(self, files: list[str], check: bool, where: dict):
-        from safetensors.torch import load_file
-        weights = [kv for f in files for kv in load_file(f).items()]
+        weights = [kv for f in files for kv in read_bucket(f, self.__dict__.setdefault("molt_maps", {}))]
         if fault("load", **where):  # a worker error half-way through the load, for the fault tests
             weights = _fail_half_way(weights)
         loaded = vllm_reload_weights(self.model_runner, weights)
@@ -2919,7 +3706,10 @@ class WeightSync:
     sync metrics, summed over the waits that happened in it."""
 
     def __init__(self, cfg: Config, policy: ModelGroup, engines: list):
+        import ray
         self.cfg, self.policy, self.engines = cfg, policy, engines
+        here, self.native = ray.get(policy.workers[0].node.remote())  # rank 0 exports; on CUDA: vLLM's transfer
+        self.local = {e: node == here for e, node in zip(engines, ray.get([e.node.remote() for e in engines]))}
         self.pending: list = []
         self.discarded = 0  # the engines' running total of tokens thrown away (abort mode)
         self.metrics: dict[str, float] = {}
@@ -2928,6 +3718,11 @@ class WeightSync:
         for k, v in metrics.items():
             self.metrics[k] = self.metrics.get(k, 0) + v
 
+    def close(self):
+        """Free the shared-memory buffers (a killed run's are freed by the next run's trainer)."""
+        self.wait()
+        self.policy.run("release_weights")
+
     def take(self) -> dict:
         out, self.metrics = self.metrics, {}
         out["time/weight_sync"] = out.get("time/weight_export", 0) + out.get("time/weight_load_wait", 0)
@@ -2935,9 +3730,13 @@ class WeightSync:
 
     def start(self, version: int):
         t0 = time.perf_counter()
-        exported = self.policy.run("export_weights", self.cfg.train.sync_bucket_mb)[0]
-        self.pending = [e.update.remote(exported["refs"], version, self.cfg.train.check_weight_sync)
-                        for e in self.engines]
+        if self.native:  # every rank takes part; the export overlaps the engines' load, so it is all "wait" time
+            self.pending = [w.native_sync.remote(self.engines, version) for w in self.policy.workers]
+            return
+        local = [self.local[e] for e in self.engines]
+        exported = self.policy.run("export_weights", self.cfg.train.sync_bucket_mb, any(local), not all(local))[0]
+        self.pending = [e.update.remote({"files": exported["files"]} if here else {"refs": exported["refs"]}, version,
+                                        self.cfg.train.check_weight_sync) for e, here in zip(self.engines, local)]
         self.add({"time/weight_export": time.perf_counter() - t0, "sync/bytes": exported["bytes"]})
 
     def wait(self):
@@ -2947,6 +3746,10 @@ class WeightSync:
         if not self.pending:
             return
         t0, results, alive = time.perf_counter(), [], []
+        if self.native:  # (an engine that dies mid-transfer stalls the NCCL group: the 600 s timeout ends the run)
+            out = ray.get(self.pending, timeout=600)[0]
+            results, alive, self.pending = out["reports"], list(self.engines), []
+            self.add({"sync/bytes": out["bytes"]})
         for engine, ref in zip(self.engines, self.pending):
             try:
                 results.append(ray.get(ref, timeout=600))
@@ -3305,14 +4108,16 @@ def main(argv=None):
         if done:
             break
     log.close()
+    sync.close()
     print(f"[molt] done: {step} steps in {time.time() - t_start:.0f}s; run directory {cfg.run_dir}", file=sys.stderr)
 
 
 # ======================================================================================================
 
-TINY_VERSION = 1
-# ChatML with Hermes-style tools and Qwen-VL image placeholders. Every turn renders independently of later
-# ones, so a conversation's rendering is a prefix of its continuation's (token-exact accumulation relies on it).
+TINY_VERSION = 2
+# ChatML with Hermes-style tools, Qwen-VL image placeholders and Qwen3's thinking switch (enable_thinking=False
+# writes an empty think block after the generation prompt). Every turn renders independently of later ones, so a
+# conversation's rendering is a prefix of its continuation's (token-exact accumulation relies on it).
 CHATML_TEMPLATE = r"""{%- macro render(content) -%}
 {%- if content is string -%}{{ content }}
 {%- elif content is iterable and content is not mapping -%}
@@ -3360,6 +4165,11 @@ Call one with <tool_call>{"name": NAME, "arguments": ARGS}</tool_call>.<|im_end|
 {%- endfor -%}
 {%- if add_generation_prompt -%}
 <|im_start|>assistant
+{% if enable_thinking is defined and enable_thinking is false %}<think>
+
+</think>
+
+{% endif -%}
 {% endif -%}"""
 
 TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",

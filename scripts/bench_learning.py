@@ -2,14 +2,17 @@
 (when `pip install trl` worked), same model, data and hyperparameters (16 prompts x 8 samples, temperature 1,
 lr 5e-4 AdamW, one update per batch, 2 new tokens). "Reached" = mean reward of the last 10 steps >= 0.9.
 
-    .venv/bin/python scripts/bench_learning.py [--max-steps 600] [--skip-trl]
+    .venv/bin/python scripts/bench_learning.py [--max-steps 600] [--seeds 3] [--skip-trl]
 
-Prints steps and training seconds to the target for each, start-up time separately, and the ratios.
+Each contender runs alone in its own process, alternating order per seed; prints every run, the medians over seeds
+(steps and training seconds to the target, ms per step, start-up, total) and the ratios.
 """
 import argparse
 import json
 import os
 import random
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -56,21 +59,22 @@ def minimal_loop(max_steps: int, seed=0):
     return None, time.perf_counter() - t0, startup
 
 
-def molt_run(max_steps: int):
+def molt_run(max_steps: int, seed: int = 0):
     out = tempfile.mkdtemp(prefix="molt-bench-learn-")
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "molt.py"), "--agent", "agents/copy.py", "--run-dir",
-                           out, "--steps", str(max_steps), "--target-reward", "0.9"], cwd=ROOT, capture_output=True,
-                          text=True, check=True)
+                           out, "--steps", str(max_steps), "--target-reward", "0.9", "--seed", str(seed)], cwd=ROOT,
+                          capture_output=True, text=True, check=True)
     total = time.perf_counter() - t
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    shutil.rmtree(out, ignore_errors=True)
     train = sum(r["time/step"] for r in rows)
     reached = sum(r["reward/mean"] for r in rows[-10:]) / 10 >= 0.9
     startup = float(proc.stderr.split("start-up ")[1].split("s")[0])
     return (rows[-1]["step"] if reached else None), train, startup, total
 
 
-def trl_run(max_steps: int):
+def trl_run(max_steps: int, seed: int = 0):
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -99,7 +103,7 @@ def trl_run(max_steps: int):
     args = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=128, num_generations=8,
                       max_completion_length=2, learning_rate=5e-4, temperature=1.0, top_k=0, top_p=1.0, beta=0.0,
                       logging_steps=1, max_steps=max_steps, report_to=[], use_cpu=True, save_strategy="no",
-                      lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, seed=0)
+                      lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, seed=seed)
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), reward_funcs=reward,
                           args=args, train_dataset=data, processing_class=AutoTokenizer.from_pretrained(path),
                           callbacks=[Stop()])
@@ -108,26 +112,63 @@ def trl_run(max_steps: int):
     return Stop.reached, time.perf_counter() - (Stop.t0 or t_start), startup
 
 
+CONTENDERS = {"minimal loop": lambda a, seed: minimal_loop(a.max_steps, seed), "molt": lambda a, seed: molt_run(
+    a.max_steps, seed)[:3], "TRL GRPOTrainer": lambda a, seed: trl_run(a.max_steps, seed)}
+
+
+def run_alone(name: str, args, seed: int):
+    """One contender in its own process, nothing else running: (steps to 0.9 or None, training s, start-up s)."""
+    proc = subprocess.run([sys.executable, __file__, "--inner", name, "--seed", str(seed), "--max-steps",
+                           str(args.max_steps)], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"{name} (seed {seed}) failed: {proc.stderr.strip().splitlines()[-1:]}", flush=True)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def main(args):
-    results = {"minimal loop": minimal_loop(args.max_steps)}
-    steps, train, startup, _ = molt_run(args.max_steps)
-    results["molt"] = (steps, train, startup)
-    if not args.skip_trl:
-        try:
-            results["TRL GRPOTrainer"] = trl_run(args.max_steps)
-        except ImportError as err:
-            print(f"TRL not available ({err}); pip install trl to include it")
-    for name, (steps, train, startup) in results.items():
-        reached = f"reached 0.9 at step {steps}" if steps else f"not reached in {args.max_steps} steps"
-        print(f"{name:16s} {reached:28s} training {train:7.1f}s ({train / (steps or args.max_steps):.3f}s/step), "
-              f"start-up {startup:5.1f}s")
-    base = results["minimal loop"][1]
-    for name in results:
-        print(f"time to 0.9, {name} / minimal loop: {results[name][1] / base:.2f}x (excluding start-up)")
+    if args.inner:
+        print(json.dumps(CONTENDERS[args.inner](args, args.seed)))
+        return
+    names = [n for n in CONTENDERS if not (args.skip_trl and n.startswith("TRL"))]
+    results = {n: [] for n in names}
+    for seed in range(args.seeds):  # alternating: each seed runs every contender once, one at a time
+        for name in (names if seed % 2 == 0 else names[::-1]):
+            out = run_alone(name, args, seed)
+            if out:
+                results[name].append(out)
+                steps, train, startup = out
+                print(f"seed {seed} {name:16s} steps {steps} training {train:6.1f}s "
+                      f"({train / (steps or args.max_steps) * 1e3:.0f} ms/step) start-up {startup:5.1f}s", flush=True)
+    med = {}
+    for name, runs in results.items():
+        if not runs:
+            continue
+        steps = [r[0] or args.max_steps for r in runs]
+        med[name] = {"steps": statistics.median(steps), "train": statistics.median(r[1] for r in runs),
+                     "per_step": statistics.median(r[1] / (r[0] or args.max_steps) for r in runs),
+                     "startup": statistics.median(r[2] for r in runs),
+                     "total": statistics.median(r[1] + r[2] for r in runs),
+                     "reached": sum(r[0] is not None for r in runs)}
+        m = med[name]
+        print(f"{name:16s} median over {len(runs)} seeds: reached {m['reached']}/{len(runs)}, {m['steps']:.0f} steps, "
+              f"training {m['train']:.1f}s ({m['per_step'] * 1e3:.0f} ms/step), start-up {m['startup']:.1f}s, "
+              f"total {m['total']:.1f}s")
+    base = med["minimal loop"]
+    for name, m in med.items():
+        print(f"{name} / minimal loop: {m['train'] / base['train']:.2f}x time to 0.9 excluding start-up, "
+              f"{m['per_step'] / base['per_step']:.2f}x per step")
+    if "TRL GRPOTrainer" in med and "molt" in med:
+        trl, ours = med["TRL GRPOTrainer"], med["molt"]
+        print(f"molt / TRL: {ours['per_step'] / trl['per_step']:.2f}x per step, {ours['train'] / trl['train']:.2f}x "
+              f"time to 0.9 excluding start-up, {ours['total'] / trl['total']:.2f}x including start-up")
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--max-steps", type=int, default=600)
+    p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--skip-trl", action="store_true")
+    p.add_argument("--inner", choices=list(CONTENDERS), help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     main(p.parse_args())

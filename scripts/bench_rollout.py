@@ -42,7 +42,7 @@ async def update_latency(ray, engine, state, version, prompts, sampling):
     await asyncio.sleep(0.5)
     ref = ray.put(state)
     t = time.perf_counter()
-    await engine.update.remote([ref], version)
+    await engine.update.remote({"refs": [ref]}, version)
     dt = time.perf_counter() - t
     outs = await asyncio.gather(*inflight)
     assert all(o[0].finish_reason == "length" for o in outs)  # nothing was aborted

@@ -232,7 +232,7 @@ def test_multi_turn_chat_is_one_token_exact_segment(engine, tiny, wire, sync):
 
 @pytest.mark.parametrize("wire", ["openai", "anthropic"])
 def test_streaming_and_plain_replies_give_identical_samples(engine, tiny, wire):
-    greedy = {"temperature": 0.0, "max_tokens": 10}
+    greedy = {"temperature": 1.0, "max_tokens": 10, "seed": 7}  # seeded: both ways sample the same tokens
     texts = {}
     samples = {}
     for stream in (False, True):
@@ -292,8 +292,10 @@ class Compactor(molt.ChatAgent):
     async def run(self, ctx):
         client = openai_client(ctx, False)
         first = await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages, max_tokens=8)
-        again = await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages, max_tokens=8)
-        assert again.choices[0].message.content == first.choices[0].message.content  # re-send: from cache
+        retried = await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages, max_tokens=8,
+                                                       extra_headers={"x-stainless-retry-count": "1"})
+        assert (retried.id, retried.choices[0].message.content) == (first.id, first.choices[0].message.content)
+        await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages, max_tokens=8)  # resampled
         summary = [{"role": "system", "content": "Summary of earlier work: nothing yet."},
                    {"role": "user", "content": "Continue."}]
         r = await client.chat.completions.create(model=ctx.model_name, messages=summary, max_tokens=8)
@@ -339,17 +341,20 @@ def test_a_rewritten_history_opens_a_token_exact_segment(engine, tiny, mode):
         assert segments[0].tokens == router.prompts[0] + router.calls[0].ids
 
 
-def test_compaction_starts_a_new_segment_and_resend_is_cached(engine, tiny):
+def test_compaction_opens_a_segment_a_resend_samples_again_and_only_a_retry_is_cached(engine, tiny):
     pool, segments = run_chat(engine, tiny, Compactor)
-    assert len(pool.router.calls) == 3  # the identical re-send sampled nothing
-    assert len(segments) == 2 and segments[0].rollout_id == segments[1].rollout_id
-    assert [s.segment for s in segments] == [0, 1]
+    assert len(pool.router.calls) == 4  # the SDK's retry sampled nothing; the plain resend did
+    assert len(segments) == 3 and len({s.rollout_id for s in segments}) == 1
+    assert [s.segment for s in segments] == [0, 1, 2]
+    assert segments[0].tokens[:len(pool.router.prompts[0])] == segments[1].tokens[:len(pool.router.prompts[0])]
     assert all(s.reward == 0.25 and s.score == 1.0 for s in segments)
-    second = segments[1]
-    assert sum(1 for i in range(1, len(second.mask)) if second.mask[i] and not second.mask[i - 1]) == 2
-    head = pool.codec.encode(pool.codec.render([{"role": "system", "content": "Summary of earlier work: nothing yet."},
-                                    {"role": "user", "content": "Continue."}]))[0]
-    assert second.tokens[:len(head)] == head  # the new segment is token-exact from the compacted render
+    last = segments[2]
+    assert sum(1 for i in range(1, len(last.mask)) if last.mask[i] and not last.mask[i - 1]) == 2
+    tok = tokenizer(tiny)
+    head = tok(tok.apply_chat_template([{"role": "system", "content": "Summary of earlier work: nothing yet."},
+                                        {"role": "user", "content": "Continue."}], tokenize=False,
+                                       add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    assert last.tokens[:len(head)] == head  # the new segment is token-exact from the compacted render
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -471,8 +476,17 @@ def test_openai_decoder_maps_every_field_it_reads():
                             "seed": 3, "stop": "x", "stream": True, "stream_options": {"include_usage": True},
                             "tools": [WEATHER]})
     assert t.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    assert t.sampling == {"max_tokens": 7, "temperature": 0.5, "top_p": 1, "seed": 3, "stop": ["x"]}
-    assert t.stream and t.usage_in_stream and t.tools == [WEATHER]
+    assert t.sampling == {"max_tokens": 7, "temperature": 0.5, "top_p": 1, "seed": 3, "stop": ["x"],
+                          "structured_outputs": None}
+    assert t.stream and t.usage_in_stream and t.tools == [WEATHER] and t.tool_choice == "auto"
+    assert (t.n, t.top_logprobs, t.template) == (1, None, {})
+    t = molt.decode_openai({"messages": [{"role": "user", "content": "hi"}], "n": 3, "logprobs": True,
+                            "top_logprobs": 2, "tools": [WEATHER], "user": "u", "service_tier": "auto",
+                            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                            "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}},
+                            "chat_template_kwargs": {"enable_thinking": False}})
+    assert (t.n, t.top_logprobs, t.tool_choice, t.template) == (3, 2, "get_weather", {"enable_thinking": False})
+    assert t.sampling["structured_outputs"] == {"json": {"type": "object"}}
 
 
 def test_anthropic_decoder_maps_blocks_to_openai_messages():
@@ -493,7 +507,11 @@ def test_anthropic_decoder_maps_blocks_to_openai_messages():
     assert t.tools == [{"type": "function", "function": {"name": "f", "description": "d",
                                                          "parameters": {"type": "object"}}}]
     assert t.sampling == {"max_tokens": 5, "temperature": None, "top_p": None, "top_k": 3, "stop": ["z"]}
-    assert not t.stream and t.usage_in_stream
+    assert not t.stream and t.usage_in_stream and t.tool_choice == "auto" and t.template == {}
+    t = molt.decode_anthropic({"max_tokens": 5, "messages": [{"role": "user", "content": "q"}], "metadata": {},
+                               "tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "any"},
+                               "thinking": {"type": "enabled", "budget_tokens": 100}})
+    assert t.tool_choice == "required" and t.template == {"enable_thinking": True}
 
 
 def test_tool_call_parsing_keeps_invalid_blocks_as_text():

@@ -58,7 +58,7 @@ def gen(engine, sampling, prompt=PROMPT):
 
 
 def update(ray, engine, state, version, check=False):
-    return ray.get(engine.update.remote([ray.put(state)], version, check), timeout=120)
+    return ray.get(engine.update.remote({"refs": [ray.put(state)]}, version, check), timeout=120)
 
 
 @pytest.mark.parametrize("kind", ["tiny", "tiny-moe"])
@@ -102,7 +102,7 @@ async def _long_requests_with_update(ray, engine, new_state, version):
     start = (await engine.stats.remote())["generated"]
     reqs = [engine.generate.remote(molt.EngineRequest(PROMPT[: 3 + i], sampling=sampled(600))) for i in range(3)]
     await until_generated(engine, 3 * 16, start)  # every request is well under way, and far from its 600th token
-    await engine.update.remote([ray.put(new_state)], version)
+    await engine.update.remote({"refs": [ray.put(new_state)]}, version)
     return [(PROMPT[: 3 + i], (await r)[0]) for i, r in enumerate(reqs)]
 
 

@@ -13,6 +13,7 @@ class FakePool:
     def __init__(self, dead=False):
         self.run_group, self.dead = self, dead
         self.calls = 0
+        self.hold_from = None  # prompts from this index on wait until cancelled: they stay in flight
 
     def remote(self, row, n, sampling, group_id, index=-1, epoch=-1):
         self.calls += 1
@@ -20,6 +21,8 @@ class FakePool:
 
     async def group(self, row, n, group_id, index, epoch):
         await asyncio.sleep(0)
+        if self.hold_from is not None and index >= self.hold_from:
+            await asyncio.Event().wait()
         if self.dead:
             import ray
             raise ray.exceptions.RayActorError()
@@ -96,6 +99,7 @@ def test_async_state_holds_finished_groups_and_prompts_in_flight_and_restores_th
     """A checkpoint of an async run: groups finished but not trained come back first (same Samples), prompts in
     flight are re-issued before the cursor moves on; over the two lineages every prompt is trained exactly once."""
     m = manager(rows(10), **{"train.async_queue_size": 2, "rollout.groups_in_flight": 3, "data.shuffle": False})
+    m.pools[0].hold_from = 4  # prompts 2 and 3 finish ahead of training, 4.. are still in flight at the checkpoint
 
     async def first_part():
         first = await m.get_batch(0)
@@ -104,6 +108,7 @@ def test_async_state_holds_finished_groups_and_prompts_in_flight_and_restores_th
         return first, m.state()
     first, state = asyncio.run(first_part())
     assert state["finished"] and all(isinstance(s, molt.Sample) for g in state["finished"] for s in g)
+    assert sorted(i for i, _ in state["unfinished"]) == [4, 5, 6]  # groups_in_flight 3, all held
     restored = manager(rows(10), state, **{"train.async_queue_size": 2, "rollout.groups_in_flight": 3,
                                            "data.shuffle": False})
     rest = batches(restored, 4)

@@ -27,7 +27,7 @@ def make_samples(n_groups=2, n=4, seed=0):
 
 def weights(group):
     import ray
-    return {k: v for ref in group.run("export_weights", 512)[0]["refs"] for k, v in ray.get(ref).items()}
+    return {k: v for ref in group.run("export_weights", 512, False, True)[0]["refs"] for k, v in ray.get(ref).items()}
 
 
 def trainer(path, ranks=1, **overrides):
@@ -57,32 +57,48 @@ def test_one_rank_and_two_ranks_take_the_same_step(ray_cluster, tiny, agg):
         assert torch.allclose(w1[k], w2[k], atol=1e-4), (k, float((w1[k] - w2[k]).abs().max()))
 
 
+def engine_gap(ray_cluster, engine, group, version):
+    """Largest |engine log-prob - trainer log-prob| over 24 sampled tokens, and their versions."""
+    [c] = run(engine.generate.remote(molt.EngineRequest([5, 6, 7, 8], sampling={
+        "max_tokens": 24, "temperature": 1.0, "ignore_eos": True})))
+    s = molt.Sample(rollout_id="probe")
+    s.extend([5, 6, 7, 8])
+    s.add_turn(c)
+    ours = group.forward(ray_cluster.put([s]), molt.shard_plan([s], 1, 1))[0][3:]
+    return max(abs(a - b) for a, b in zip(ours, c.logprobs)), c, s
+
+
 def test_synced_engine_matches_the_trainer(ray_cluster, engine, tiny):
+    """Three updates: through the trainer's shared-memory files (created, then overwritten in place: the engine's
+    cached mapping must see the new bytes), then as if the engine were on another node (object store, the engine's
+    own files). After each, the engine samples with exactly the trainer's weights."""
     cfg, group = trainer(tiny, **{"train.check_weight_sync": True})
-    molt.learn(cfg, {"policy": group}, make_samples())
-    version = run(engine.stats.remote())["version"] + 1
+    version = run(engine.stats.remote())["version"]
     sync = molt.WeightSync(cfg, group, [engine])
-    sync.start(version)
-    sync.wait()
-    out = sync.take()
     try:
-        assert out["sync/stale_params"] == 0 and out["sync/bytes"] > 0
-        [c] = run(engine.generate.remote(molt.EngineRequest([5, 6, 7, 8], sampling={
-            "max_tokens": 24, "temperature": 1.0, "ignore_eos": True})))
-        s = molt.Sample(rollout_id="probe")
-        s.extend([5, 6, 7, 8])
-        s.add_turn(c)
-        ours = group.forward(ray_cluster.put([s]), molt.shard_plan([s], 1, 1))[0][3:]
-        gap = max(abs(a - b) for a, b in zip(ours, c.logprobs))
+        assert sync.local == {engine: True}
+        for k in range(3):
+            molt.learn(cfg, {"policy": group}, make_samples(seed=k))
+            sync.local[engine] = k < 2
+            sync.start(version + k + 1)
+            sync.wait()
+            out = sync.take()
+            assert out["sync/stale_params"] == 0 and out["sync/bytes"] > 0
+            gap, c, s = engine_gap(ray_cluster, engine, group, version + k + 1)
+            assert gap < 1e-3 and c.versions == [version + k + 1] * 24, (k, gap)
+        files = list(molt.shm_dir().glob(ray_cluster.get(group.workers[0].__ray_call__.remote(
+            lambda w: w.shm.prefix)) + "-*"))
+        assert files
         base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
         with torch.no_grad():
             ids = torch.tensor([s.tokens])
             old = torch.log_softmax(base(ids).logits[0, :-1], -1).gather(-1, ids[0, 1:, None])[3:, 0]
-        assert gap < 1e-3 and c.versions == [version] * 24
         assert max(abs(a - b) for a, b in zip(old.tolist(), c.logprobs)) > 1e-2  # the weights really changed
+        sync.close()
+        assert not any(f.exists() for f in files)  # the shared-memory buffers are freed
     finally:
         import ray
-        ray.get(engine.update.remote([ray.put(molt.load_file_state(tiny))], version + 1))
+        ray.get(engine.update.remote({"refs": [ray.put(molt.load_file_state(tiny))]}, version + 4))
         for w in group.workers:
             ray_cluster.kill(w)
 
@@ -108,9 +124,11 @@ def test_checkpoint_resume_continues_weights_optimizer_and_schedule_exactly(ray_
         molt.learn(cfg, {"policy": a}, b)
         straight.append((lr(a), weights(a)))
     # a later save killed midway leaves a temporary directory behind; the complete checkpoint still wins
-    partial = tmp_path / "checkpoints" / ".step_000004.tmp"
-    partial.mkdir()
-    (partial / "model.safetensors").write_bytes(b"truncated")
+    # (and a step directory without its state file, as an interrupted copy leaves, is not a checkpoint either)
+    for name in (".step_000004.tmp", "step_000005"):
+        partial = tmp_path / "checkpoints" / name
+        partial.mkdir()
+        (partial / "model.safetensors").write_bytes(b"truncated")
     assert molt.latest_checkpoint(str(tmp_path)) == ckpt
     b_group = molt.ModelGroup(cfg, str(ckpt), "policy", total_steps=6)
     b_group.run("load", str(ckpt))

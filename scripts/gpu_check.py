@@ -1,0 +1,154 @@
+"""GPU acceptance: the CUDA paths no CPU test can reach, one line per check with its figure, in under 8 minutes on
+one GPU. On a machine without CUDA it exits at once (status 2) saying so.
+
+    .venv/bin/python scripts/gpu_check.py [--only NAME] [--timeout 150]
+
+Checks (each a subprocess with its own timeout, so one failure does not hide the others):
+  train-dense    AutoModel FSDP2 train step on a random ~0.5B Qwen3 (bf16): tokens/s
+  train-moe      the same on the small random MoE (tiny-moe)
+  rollout        vLLM CUDA engine through Molt vs raw vLLM (scripts/bench_rollout.py): ratio
+  weight-sync    a policy update into the engine on the 0.5B model: GB/s, and the engine/trainer log-prob gap (bf16)
+  routing        routing capture -> replay (scripts/cuda_check_moe.py): expert mismatch with and without replay
+  copy-task      `molt.py --agent agents/copy.py --target-reward 0.9`: steps and seconds to the target
+"""
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+PY = sys.executable
+
+
+def random_qwen3(hidden=896, layers=24) -> str:
+    """A random Qwen3 of about 0.5B parameters with the tiny tokenizer (no hub on these machines)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    import molt
+    tok = molt.tiny_tokenizer()
+    cfg = Qwen3Config(vocab_size=32768, hidden_size=hidden, intermediate_size=4864, num_hidden_layers=layers,
+                      num_attention_heads=14, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    out = os.path.join(tempfile.gettempdir(), "molt-gpu-check-qwen3-0.5b")
+    if not os.path.exists(os.path.join(out, "config.json")):
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(out)
+        tok.save_pretrained(out)
+    return out
+
+
+def samples(n=32, prompt=128, resp=256, seed=0):
+    import random
+
+    import molt
+    rng, out = random.Random(seed), []
+    for g in range(n // 8):
+        p = [rng.randrange(5, 100) for _ in range(prompt)]
+        for k in range(8):
+            s = molt.Sample(group_id=str(g), rollout_id=f"{g}-{k}", reward=float(rng.random() > 0.5))
+            s.extend(p)
+            s.extend([rng.randrange(5, 100) for _ in range(resp)], [-4.6] * resp, [0] * resp)
+            out.append(s)
+    return out
+
+
+def config(dtype="bfloat16"):
+    import molt
+    cfg = molt.Config()
+    cfg.data.max_len, cfg.train.micro_batch_size, cfg.engine.dtype = 2048, 8, dtype
+    cfg.engine.gpu_memory_utilization = 0.35
+    molt.validate_config(cfg)
+    return cfg
+
+
+def train(model: str):
+    import molt
+    cfg, path = config(), (random_qwen3() if model == "dense" else molt.resolve_model("tiny-moe"))
+    molt.ray_init(cfg)
+    group, batch = molt.ModelGroup(cfg, path, "policy", total_steps=10), samples()
+    backend = group.workers[0].__ray_call__.remote(lambda w: type(w.model).__module__)
+    molt.learn(cfg, {"policy": group}, batch)  # warm-up
+    t = time.perf_counter()
+    for _ in range(3):
+        molt.learn(cfg, {"policy": group}, batch)
+    tokens = 3 * sum(len(s.tokens) for s in batch)
+    import ray
+    print(f"{tokens / (time.perf_counter() - t):.0f} tokens/s (model class from {ray.get(backend)})")
+
+
+def weight_sync():
+    import ray
+
+    import molt
+    cfg, path = config(), random_qwen3()
+    molt.ray_init(cfg)
+    engines = molt.start_engines(cfg, path)
+    group = molt.ModelGroup(cfg, path, "policy", total_steps=10)
+    molt.learn(cfg, {"policy": group}, samples())
+    sync, times = molt.WeightSync(cfg, group, engines), []
+    for v in range(1, 5):
+        t = time.perf_counter()
+        sync.start(v)
+        sync.wait()
+        times.append(time.perf_counter() - t)
+        out = sync.take()
+    [c] = ray.get(engines[0].generate.remote(molt.EngineRequest([5, 6, 7, 8], sampling={
+        "max_tokens": 64, "temperature": 1.0, "ignore_eos": True})))
+    s = molt.Sample(rollout_id="probe")
+    s.extend([5, 6, 7, 8])
+    s.add_turn(c)
+    ours = group.forward(ray.put([s]), molt.shard_plan([s], 1, 1))[0][3:]
+    gap = max(abs(a - b) for a, b in zip(ours, c.logprobs))
+    best = sorted(times)[len(times) // 2]
+    print(f"{out['sync/bytes'] / best / 1e9:.2f} GB/s ({out['sync/bytes'] / 2**20:.0f} MiB in {best * 1e3:.0f} ms, "
+          f"native {molt._cuda()}); bf16 log-prob gap "
+          f"max {gap:.4f}")
+
+
+CHECKS = {
+    "train-dense": [PY, __file__, "--inner", "train-dense"],
+    "train-moe": [PY, __file__, "--inner", "train-moe"],
+    "rollout": [PY, os.path.join(ROOT, "scripts", "bench_rollout.py"), "--rounds", "3"],
+    "weight-sync": [PY, __file__, "--inner", "weight-sync"],
+    "routing": [PY, os.path.join(ROOT, "scripts", "cuda_check_moe.py")],
+    "copy-task": [PY, os.path.join(ROOT, "molt.py"), "--agent", "agents/copy.py", "--target-reward", "0.9",
+                  "--steps", "400", "--run-dir", os.path.join(tempfile.gettempdir(), "molt-gpu-check-copy")],
+}
+INNER = {"train-dense": lambda: train("dense"), "train-moe": lambda: train("moe"), "weight-sync": weight_sync}
+
+
+def main(args):
+    import torch
+    if args.inner:
+        return INNER[args.inner]()
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; this script checks the GPU paths and has nothing to run on CPU",
+              file=sys.stderr)
+        sys.exit(2)
+    print(f"gpu_check on {torch.cuda.get_device_name(0)}")
+    failed = 0
+    for name, cmd in CHECKS.items():
+        if args.only and args.only not in name:
+            continue
+        t = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+            lines = [x for x in (proc.stdout + proc.stderr).splitlines() if x.strip()]
+            ok, tail = proc.returncode == 0, (lines[-1] if lines else "")
+        except subprocess.TimeoutExpired:
+            ok, tail = False, f"timed out after {args.timeout} s"
+        failed += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {name:12s} {time.perf_counter() - t:5.0f}s  {tail[:300]}", flush=True)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="")
+    p.add_argument("--timeout", type=int, default=150, help="seconds per check")
+    p.add_argument("--inner", choices=list(INNER), help=argparse.SUPPRESS)
+    main(p.parse_args())
