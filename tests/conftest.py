@@ -1,6 +1,7 @@
 """Shared expensive fixtures: tiny models (built once, cached), one Ray cluster, one engine per model kind."""
 import asyncio
 import os
+import time
 
 import pytest
 
@@ -40,6 +41,17 @@ def small_config(**overrides) -> molt.Config:
     for key, value in overrides.items():
         molt.config_set(cfg, key, value)
     return molt.validate_config(cfg)  # derived defaults filled in, as for a parsed command line
+
+
+@pytest.fixture(scope="session", autouse=True)
+def free_shared_memory():
+    """Runs and actors the tests kill cannot free their weight buffers in /dev/shm: free them once all are gone."""
+    yield
+    for _ in range(20):
+        molt.free_stale_weights()
+        if not list(molt.shm_dir().glob("molt-weights-*")):
+            break
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="session")
