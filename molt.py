@@ -116,6 +116,9 @@ class RolloutConfig:
 class EngineConfig:
     num_engines: int = _f(1, "vLLM engines (one Ray actor each)")
     tp_size: int = _f(1, "tensor-parallel size of each engine")
+    dp_size: int = _f(1, "data-parallel replicas inside each engine (vLLM data_parallel_size; CUDA)")
+    expert_parallel: bool = _f(False, "vLLM expert parallelism for MoE across the engine's tp x dp GPUs (CUDA)")
+    mtp_tokens: int = _f(0, "speculative decoding with the model's MTP head, this many draft tokens (CUDA; 0: off)")
     dtype: str = _f("auto", "engine dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     kv_cache_gb: float = _f(1.0, "KV-cache size per engine on CPU, GiB")
     gpu_memory_utilization: float = _f(0.85, "fraction of GPU memory an engine may take (CUDA)")
@@ -126,7 +129,13 @@ class EngineConfig:
 
 @dataclass
 class TrainConfig:
-    num_ranks: int = _f(1, "FSDP2 ranks of the policy (one Ray actor each)")
+    num_ranks: int = _f(1, "FSDP2 ranks of the policy (one Ray actor, one GPU each)")
+    tp_size: int = _f(1, "policy tensor-parallel degree inside num_ranks (AutoModel, CUDA)")
+    cp_size: int = _f(1, "policy context-parallel degree inside num_ranks (AutoModel, CUDA)")
+    ep_size: int = _f(1, "policy expert-parallel degree for MoE (AutoModel, CUDA)")
+    sequence_parallel: bool = _f(False, "sequence parallelism inside tensor parallelism (AutoModel, CUDA)")
+    offload: str = _f("none", "none, or full: parameters, gradients and optimizer state live in host memory between "
+                      "uses (FSDP2 CPUOffloadPolicy; CUDA, more than one rank)", choices=("none", "full"))
     backend: str = _f("auto", "policy model builder: auto (NVIDIA AutoModel on CUDA when installed, else "
                       "transformers), automodel, hf (the critic is always a transformers value model)",
                       choices=("auto", "automodel", "hf"))
@@ -139,6 +148,8 @@ class TrainConfig:
     betas: tuple = _f((0.9, 0.999), "AdamW betas", nargs=2, type=float)
     max_grad_norm: float = _f(1.0, "gradient clipping norm (0 = off)")
     micro_batch_size: int = _f(16, "samples per forward/backward on each rank")
+    max_tokens_per_micro_batch: int = _f(0, "pack micro-batches under this many (padded) tokens instead of "
+                                            "micro_batch_size samples; 0: off")
     mini_batches: int = _f(1, "optimizer steps per rollout batch")
     epochs: int = _f(1, "passes over each rollout batch")
     async_queue_size: int = _f(1, "rollout batches generated ahead of training (0 = synchronous, on-policy)")
@@ -224,7 +235,15 @@ class EvalConfig:
 
 
 @dataclass
+class SftConfig:
+    batch_size: int = _f(16, "--mode sft: conversations per step")
+    epochs: int = _f(1, "--mode sft: passes over --data (--steps caps the total)")
+
+
+@dataclass
 class Config:
+    mode: str = _f("rl", "rl, or sft: supervised fine-tuning on chat rows ({\"messages\": [...], \"tools\": [...]}) in "
+                   "--data, loss on the assistant turns; its checkpoints start RL (--model RUN/checkpoints/step_N)")
     agent: str = _f("", "agent module path; it exports AgentRunner and may define DEFAULTS")
     model: str = _f("tiny", "HF hub id, local HF directory, or tiny / tiny-moe / tiny-vl (built offline)")
     run_dir: str = _f("", "run directory (default runs/<timestamp>)")
@@ -250,6 +269,7 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
 
 
 SHORT_FLAGS = {"--data": "data.path", "--eval-data": "data.eval_path"}  # short forms of grouped flags
@@ -302,6 +322,7 @@ def parse_config(argv: list[str] | None = None) -> Config:
     pre.add_argument("--agent", default="")
     known, _ = pre.parse_known_args(argv)
     cfg = Config()
+    check_path("--agent", known.agent)
     if known.agent:
         for key, value in getattr(import_path(known.agent), "DEFAULTS", {}).items():
             config_set(cfg, key, value)
@@ -310,6 +331,26 @@ def parse_config(argv: list[str] | None = None) -> Config:
         if value is not None:  # a short flag's unset default (None) must not clobber its long form
             config_set(cfg, dest, value)
     return validate_config(cfg)
+
+
+def check_path(flag: str, value: str):
+    """A value that names a local path (it starts with / . or ~, has more than one /, or ends in a file suffix we
+    read) must exist: a hub lookup of a mistyped path takes a minute and ends in an unrelated error. A hub id
+    (org/name) is left to the hub."""
+    if not value:
+        return
+    pathlike = value.startswith(("/", ".", "~")) or value.count("/") > 1 or \
+        value.endswith((".py", ".jsonl", ".json", ".parquet"))
+    if pathlike and not os.path.exists(os.path.expanduser(value)):
+        raise UsageError(f"{flag} {value}: no such file or directory")
+
+
+def check_paths(cfg: Config):
+    """Every path the user gave, before the run directory, Ray or any engine exists."""
+    for flag, value in {"--model": cfg.model, "--data": cfg.data.path, "--eval-data": cfg.data.eval_path,
+                        "--ref.model": cfg.ref.model, "--offline-samples": cfg.offline_samples,
+                        "--data.media-root": cfg.data.media_root}.items():
+        check_path(flag, value)
 
 
 def resolve_loss_defaults(algo: AlgoConfig) -> AlgoConfig:
@@ -326,6 +367,11 @@ def validate_config(cfg: Config) -> Config:
     est = ESTIMATORS[algo.estimator]
     if ro.agent_pools < 0:
         raise UsageError("--rollout.agent-pools must be >= 0 (0: one per 2 CPU cores)")
+    check_parallelism(cfg)
+    if cfg.mode not in ("rl", "sft"):
+        raise UsageError(f"--mode must be rl or sft, not {cfg.mode!r}")
+    if cfg.mode == "sft" and (not cfg.data.path or cfg.offline_samples or cfg.resume):
+        raise UsageError("--mode sft needs --data (chat rows) and takes no --offline-samples or --resume")
     if est.groups and ro.n_samples_per_prompt < 2:
         raise UsageError(f"--algo.estimator {algo.estimator} needs --rollout.n-samples-per-prompt >= 2")
     if est.teacher and not cfg.ref.model:
@@ -357,8 +403,60 @@ ROUTING_CPU_ERROR = ("--train.routing-replay / --train.routing-capture need the 
                      "on CPU. Drop the flag or use GPUs.")
 
 
+def check_parallelism(cfg: Config):
+    """Parallelism rules that hold on any cluster (the reference's refusals among them)."""
+    t, e = cfg.train, cfg.engine
+    inner = t.tp_size * t.cp_size
+    if min(t.tp_size, t.cp_size, t.ep_size, e.dp_size, e.tp_size) < 1 or e.mtp_tokens < 0:
+        raise UsageError("parallel sizes must be >= 1 and --engine.mtp-tokens >= 0")
+    if t.num_ranks % inner or t.num_ranks % t.ep_size:
+        raise UsageError(f"--train.num-ranks {t.num_ranks} must be a multiple of --train.tp-size x --train.cp-size "
+                         f"({inner}) and of --train.ep-size ({t.ep_size})")
+    if t.sequence_parallel and t.tp_size == 1:
+        raise UsageError("--train.sequence-parallel shards activations across tensor-parallel ranks: it needs "
+                         "--train.tp-size > 1")
+    if t.offload == "full" and t.num_ranks == 1:
+        raise UsageError("--train.offload full needs --train.num-ranks > 1 (FSDP2 offloads shards; one rank holds "
+                         "no shards)")
+    if e.mtp_tokens and (t.routing_replay or t.routing_capture):
+        raise UsageError("--engine.mtp-tokens with --train.routing-replay/capture: routing recorded under "
+                         "speculative decoding does not line up with the sampled tokens")
+    if e.mtp_tokens and e.prefix_caching:
+        raise UsageError("--engine.mtp-tokens needs --no-engine.prefix-caching (vLLM's MTP draft state is not "
+                         "restored from a cached prefix)")
+
+
+CUDA_FLAGS = {"--train.tp-size": lambda c: c.train.tp_size > 1, "--train.cp-size": lambda c: c.train.cp_size > 1,
+              "--train.ep-size": lambda c: c.train.ep_size > 1,
+              "--train.sequence-parallel": lambda c: c.train.sequence_parallel,
+              "--train.offload": lambda c: c.train.offload != "none", "--engine.dp-size": lambda c: c.engine.dp_size > 1,
+              "--engine.expert-parallel": lambda c: c.engine.expert_parallel,
+              "--engine.mtp-tokens": lambda c: c.engine.mtp_tokens > 0}
+
+
+def placement(cfg: Config) -> dict[str, int]:
+    """GPUs each part of the run takes on CUDA: policy ranks, critic ranks (gae), one for a reference model, and
+    each engine's tp x dp."""
+    plan = {"policy": cfg.train.num_ranks, "engines": cfg.engine.num_engines * cfg.engine.tp_size * cfg.engine.dp_size}
+    if ESTIMATORS[cfg.algo.estimator].critic:
+        plan["critic"] = cfg.train.num_ranks
+    if cfg.ref.model or ESTIMATORS[cfg.algo.estimator].teacher:
+        plan["ref"] = 1
+    return plan
+
+
 def check_launch(cfg: Config, model_path: str, gpus: float):
     """What needs the cluster or the model files to decide (gpus: the cluster's GPU count)."""
+    cuda_only = [flag for flag, used in CUDA_FLAGS.items() if used(cfg)]
+    if cuda_only and not gpus:
+        raise UsageError(f"{', '.join(cuda_only)}: CUDA only, and this cluster has no GPU")
+    plan = placement(cfg)
+    if gpus and sum(plan.values()) > gpus:
+        raise UsageError(f"the run needs {sum(plan.values())} GPUs ({', '.join(f'{k} {v}' for k, v in plan.items())})"
+                         f" but the cluster has {gpus:g}")
+    sharding = [f for f, used in list(CUDA_FLAGS.items())[:4] if used(cfg)]
+    if sharding and not automodel_backend(cfg, bool(gpus)):
+        raise UsageError(f"{', '.join(sharding)} need the AutoModel backend (--train.backend automodel)")
     routing = cfg.train.routing_replay or cfg.train.routing_capture
     if routing and not gpus:
         raise UsageError(ROUTING_CPU_ERROR)
@@ -808,6 +906,9 @@ def engine_args(cfg: Config, model_path: str, index: int):
     if cuda:
         kw["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
         kw["weight_transfer_config"] = {"backend": "nccl"}  # vLLM's own trainer -> engine transfer (§11)
+        kw.update(data_parallel_size=cfg.engine.dp_size, enable_expert_parallel=cfg.engine.expert_parallel)
+        if cfg.engine.mtp_tokens:
+            kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": cfg.engine.mtp_tokens}
     else:
         kw["kv_cache_memory_bytes"] = int(cfg.engine.kv_cache_gb * 2**30)
         kw.update(vllm_cpu_worker_in_core(cfg))
@@ -1031,7 +1132,8 @@ def ray_init(cfg: Config):
 def launch_engines(cfg: Config, model_path: str, version: int = 0):
     """Start the engine actors; returns (engines, refs that resolve once each engine is ready)."""
     import ray
-    actor = ray.remote(EngineActor).options(num_cpus=1, num_gpus=cfg.engine.tp_size if _cuda() else 0,
+    gpus = cfg.engine.tp_size * cfg.engine.dp_size if _cuda() else 0
+    actor = ray.remote(EngineActor).options(num_cpus=1, num_gpus=gpus,
                                             max_concurrency=100_000)
     engines = [actor.remote(cfg, model_path, i) for i in range(cfg.engine.num_engines)]
     return engines, [e.set_version.remote(version) for e in engines]
@@ -1200,6 +1302,7 @@ class Codec:
         self.tokenizer = self.processor.tokenizer if self.processor else AutoTokenizer.from_pretrained(model_path)
         self.text_ids: OrderedDict[str, list[int]] = OrderedDict()  # prompts a group shares, bounded in characters
         self.cached_chars = 0
+        self.rendered: OrderedDict[str, str] = OrderedDict()  # the n episodes of a group render the same prompt
         source = (self.processor or self.tokenizer).chat_template
         self.template_vars = template_variables(source) - TEMPLATE_RESERVED
         self.probe_base = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": PROBE}],
@@ -1208,10 +1311,23 @@ class Codec:
 
     def render(self, messages: list[dict], tools=None, generation=True, **template) -> str:
         """The chat template's text; template holds extra template variables (e.g. enable_thinking): those the
-        template does not read are dropped, as vLLM does, and none can override what render itself passes."""
-        return (self.processor or self.tokenizer).apply_chat_template(
+        template does not read are dropped, as vLLM does, and none can override what render itself passes. Short
+        conversations are memoised (Jinja costs more than the key)."""
+        template = {k: v for k, v in template.items() if k in self.template_vars}
+        try:
+            key = json.dumps([messages, tools, generation, template], sort_keys=True)
+        except (TypeError, ValueError):  # images or other objects in the messages
+            key = None
+        if key in self.rendered:
+            return self.rendered[key]
+        text = (self.processor or self.tokenizer).apply_chat_template(
             template_messages(messages), tools=tools or None, tokenize=False, add_generation_prompt=generation,
-            **{k: v for k, v in template.items() if k in self.template_vars})
+            **template)
+        if key is not None and len(key) <= 4096:
+            self.rendered[key] = text
+            if len(self.rendered) > 1024:
+                self.rendered.popitem(last=False)
+        return text
 
     def encode(self, text: str, images: list | None = None) -> tuple[list[int], dict | None]:
         """(ids, processor tensors for the images or None)."""
@@ -2841,6 +2957,23 @@ def shard_plan(samples: list[Sample], world: int, mini_batches: int) -> list[lis
     return plan
 
 
+def pack_micro_batches(samples: list[Sample], idx: list[int], t: TrainConfig) -> list[list[int]]:
+    """idx (longest first, as shard_plan deals them) -> micro-batches: micro_batch_size at a time, or under
+    --train.max-tokens-per-micro-batch as many as keep count x longest (the padded size) within the budget; a sample
+    longer than the budget goes alone. The loss is the same either way: it is normalised by whole-batch counts."""
+    if not t.max_tokens_per_micro_batch:
+        return [idx[k:k + t.micro_batch_size] for k in range(0, len(idx), t.micro_batch_size)]
+    out: list[list[int]] = [[]]
+    longest = 0
+    for i in idx:
+        n = len(samples[max(i, 0)].tokens)  # -1: a masked copy of sample 0
+        if out[-1] and (len(out[-1]) + 1) * max(longest, n) > t.max_tokens_per_micro_batch:
+            out.append([])
+        longest = max(longest, n) if out[-1] else n
+        out[-1].append(i)
+    return [mb for mb in out if mb]
+
+
 @dataclass
 class TrainInputs:
     """What the driver computed for one update, per sample on the step axis ({sample index: array [T_i - 1]})."""
@@ -2949,7 +3082,16 @@ class Role:
     sharded: bool = True
 
 
+def sft_microbatch_loss(w, mb: dict, n_tokens: float, n_seqs: float):
+    """Supervised fine-tuning: mean negative log-likelihood of the assistant tokens (mask) over the whole batch."""
+    logits = model_forward(w.model, mb, w.image_token)
+    logp, _ = token_logprobs(logits, mb["ids"], mb["temperature"], False, w.media)
+    nll = -(logp * mb["mask"]).sum()
+    return nll / max(n_tokens, 1.0), {"loss/sft": (nll.detach(), float(mb["mask"].sum()))}
+
+
 ROLES = {"policy": Role(loss=policy_microbatch_loss, lr=lambda cfg: cfg.train.lr),
+         "sft": Role(loss=sft_microbatch_loss, lr=lambda cfg: cfg.train.lr),
          "ref": Role(sharded=False),
          "critic": Role(loss=value_microbatch_loss, lr=lambda cfg: cfg.critic.lr, value=True)}
 
@@ -2978,19 +3120,24 @@ def build_model(cfg: Config, path: str, role: str, hf_config, world: int, cuda: 
     if ROLES[role].value and vlm:
         raise ValueError("the gae critic supports text models only")
     if role == "policy" and automodel_backend(cfg, cuda):
-        model = build_automodel(path, vlm, cfg.train.grad_checkpointing)
+        model = build_automodel(path, vlm, cfg.train)
         prepare_moe(model, hf_config, cfg.actor, role, cfg.train.routing_replay)
         return model
     return build_hf(cfg, path, role, vlm, hf_config, world, cuda)
 
 
-def build_automodel(path: str, vlm: bool, grad_checkpointing: bool):
-    """NVIDIA AutoModel 0.7 (CUDA): its own FSDP2 setup and kernels. Its loader hard-codes CUDA devices, so this
-    path cannot run (or be tested) on CPU machines."""
+def build_automodel(path: str, vlm: bool, t: TrainConfig):
+    """NVIDIA AutoModel 0.7 (CUDA): its own FSDP2 setup, tensor / context / expert parallelism and kernels. Its
+    loader hard-codes CUDA devices, so this path cannot run (or be tested) on CPU machines."""
     import torch
     from nemo_automodel import NeMoAutoModelForCausalLM, NeMoAutoModelForImageTextToText
-    from nemo_automodel.components.distributed.config import DistributedSetup
-    setup = DistributedSetup.build("fsdp2", activation_checkpointing=grad_checkpointing)
+    from nemo_automodel.components.distributed.config import DistributedSetup, FSDP2Config
+    from nemo_automodel.components.distributed.mesh import ParallelismSizes
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    strategy = FSDP2Config(sequence_parallel=t.sequence_parallel, activation_checkpointing=t.grad_checkpointing,
+                           offload_policy=CPUOffloadPolicy() if t.offload == "full" else None)
+    setup = DistributedSetup.build(strategy, ParallelismSizes(tp_size=t.tp_size, cp_size=t.cp_size,
+                                                              ep_size=t.ep_size))
     cls = NeMoAutoModelForImageTextToText if vlm else NeMoAutoModelForCausalLM
     return cls.from_pretrained(path, distributed_setup=setup, dtype=torch.float32)
 
@@ -3000,7 +3147,7 @@ def build_hf(cfg: Config, path: str, role: str, vlm: bool, hf_config, world: int
     weights; on CUDA the forward computes in bf16 with fp32 gradient reduction. One rank on CPU needs no sharding:
     the model stays plain (FSDP's per-layer all-gathers would only cost time)."""
     import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForTokenClassification
     if ROLES[role].value:
         model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
@@ -3015,10 +3162,11 @@ def build_hf(cfg: Config, path: str, role: str, vlm: bool, hf_config, world: int
         return model
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
     blocks = set(getattr(model, "_no_split_modules", None) or [])
+    offload = CPUOffloadPolicy() if cfg.train.offload == "full" else OffloadPolicy()
     for module in model.modules():
         if type(module).__name__ in blocks:
-            fully_shard(module, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+            fully_shard(module, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mp_policy=mp, offload_policy=offload)
     return model
 
 
@@ -3073,10 +3221,12 @@ class ModelWorker:
                                        weight_decay=self.cfg.train.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, lr_lambda(self.cfg.train, total_steps))
 
-    def micro_batches(self, plan, m: int):
-        """This rank's index lists of mini-batch m, micro_batch_size at a time."""
-        mine, size = plan[m][self.rank], self.cfg.train.micro_batch_size
-        return [mine[k:k + size] for k in range(0, len(mine), size)]
+    def micro_batches(self, batch: list[Sample], plan, m: int) -> list[list[int]]:
+        """This rank's index lists of mini-batch m. Every rank must run as many forwards as the busiest (FSDP's
+        collectives), so a rank with fewer micro-batches under a token budget gets masked copies."""
+        packs = [pack_micro_batches(batch, mine, self.cfg.train) for mine in plan[m]]
+        mine = packs[self.rank]
+        return mine + [[-1]] * (max(len(p) for p in packs) - len(mine))
 
     def forward(self, batch, plan: list[list[list[int]]]) -> dict:
         """{sample index: step-axis log-probs (policy, ref) or values (critic)} for this rank's share of the plan."""
@@ -3084,7 +3234,7 @@ class ModelWorker:
         samples, out = batch, {}
         with torch.no_grad():
             for m in range(len(plan)):
-                for idx in self.micro_batches(plan, m):
+                for idx in self.micro_batches(batch, plan, m):
                     mb = collate(samples, idx, None, self.device, self.cfg.rollout.temperature)
                     logits = model_forward(self.model, mb, self.image_token)
                     vals = logits[:, :-1, 0].float() if self.spec.value else \
@@ -3105,7 +3255,7 @@ class ModelWorker:
         step = self.sched.last_epoch // (len(plan) * self.cfg.train.epochs) + 1  # the training step this is
         for _ in range(self.cfg.train.epochs):
             for m in range(len(plan)):
-                for idx in self.micro_batches(plan, m):
+                for idx in self.micro_batches(batch, plan, m):
                     mb = collate(batch, idx, inputs, self.device, self.cfg.rollout.temperature)
                     loss, stats = self.spec.loss(self, mb, *counts[m])
                     (loss * self.world).backward()  # FSDP averages gradients over ranks; the loss is a global sum
@@ -3959,6 +4109,9 @@ class Logger:
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         self.bar.update(step - self.bar.n)
+        if "loss/sft" in metrics:
+            self.bar.set_postfix(loss=f"{metrics['loss/sft']:.3f}", tok_s=f"{metrics['sft/tokens_per_s']:.0f}")
+            return
         self.bar.set_postfix(reward=f"{metrics.get('reward/mean', float('nan')):.3f}",
                              tok_s=f"{metrics.get('tokens/generated', 0) / max(metrics.get('time/step', 1), 1e-9):.0f}",
                              stale=metrics.get("rollout/staleness_max", 0))
@@ -4078,6 +4231,77 @@ def checkpoint(cfg: Config, step: int, models: dict, manager, data_id: str):
                     cfg.train.keep_checkpoints, rollout)
 
 
+def sft_sample(codec: Codec, row: dict, index: int) -> Sample:
+    """A chat row -> one Sample cut the way a rollout is: each context span is what the chat template renders up to
+    and including the generation prompt (token for token what the engine would be prompted with), each assistant
+    turn is trainable up to its end-of-turn token, and the template's text after that is context again."""
+    msgs, tools = row["messages"], row.get("tools")
+    s, done = Sample(rollout_id=f"sft-{index}", group_id=f"sft-{index}", prompt_index=index), ""
+    eos = codec.tokenizer.eos_token
+    for i, m in enumerate(msgs):
+        if m.get("role") != "assistant":
+            continue
+        prefix, full = codec.render(msgs[:i], tools), codec.render(msgs[:i + 1], tools, generation=False)
+        if not full.startswith(prefix) or not prefix.startswith(done):
+            raise UsageError(f"sft row {index}: the chat template re-renders earlier turns; no token-exact cut")
+        reply = full[len(prefix):]
+        cut = reply.find(eos) + len(eos) if eos and eos in reply else len(reply)
+        s.add_context(codec.encode(prefix[len(done):])[0])
+        ids = codec.encode(reply[:cut])[0]
+        s.extend(ids, [0.0] * len(ids), [0] * len(ids), 1.0)
+        s.add_context(codec.encode(reply[cut:])[0] if reply[cut:] else [])
+        done = full
+    if not any(s.mask):
+        raise UsageError(f"sft row {index}: no assistant message to train on")
+    return s
+
+
+def sft_main(cfg: Config):
+    """--mode sft: the same run directory, trainer, checkpoints, metrics and bar as RL, on chat rows."""
+    import ray
+    rows = load_rows(cfg.data.path, dataclasses.replace(cfg.data, prompt_key="messages"))
+    setup_run_dir(cfg, data_id := data_fingerprint(rows))
+    ray_init(cfg)
+    model_path, t_start = resolve_model(cfg.model), time.time()
+    codec = Codec(model_path)
+    samples = [sft_sample(codec, r, i) for i, r in enumerate(rows)]
+    evals = [sft_sample(codec, r, i) for i, r in enumerate(load_rows(cfg.data.eval_path, dataclasses.replace(
+        cfg.data, prompt_key="messages")))] if cfg.data.eval_path else []
+    per_epoch = math.ceil(len(samples) / cfg.sft.batch_size)
+    total = cfg.steps = min(cfg.steps, per_epoch * cfg.sft.epochs)
+    models = {"policy": ModelGroup(cfg, model_path, "sft", total)}
+    log, rng = Logger(cfg, cfg.run_dir, 0), random.Random(cfg.seed)
+    print(f"[molt] {cfg.run_dir}: sft on {len(samples)} conversations, {total} steps, start-up "
+          f"{time.time() - t_start:.1f}s", file=sys.stderr)
+    order: list[int] = []
+    for step in range(1, total + 1):
+        t0 = time.perf_counter()
+        if not order:
+            order = rng.sample(range(len(samples)), len(samples))
+        batch = [samples[i] for i in order[:cfg.sft.batch_size]]
+        order = order[cfg.sft.batch_size:]
+        plan = shard_plan(batch, models["policy"].world, 1)
+        metrics = models["policy"].train(ray.put(batch), plan, ray.put(TrainInputs()), plan_counts(batch, plan))
+        n = sum(sum(x.mask) for x in batch)
+        metrics.update({"sft/tokens": n, "sft/tokens_per_s": n / (time.perf_counter() - t0),
+                        "time/step": time.perf_counter() - t0})
+        if evals and (step == total or (cfg.eval.every and step % cfg.eval.every == 0)):
+            metrics["eval/loss"] = sft_eval_loss(models["policy"], evals)
+        if step == total or (cfg.train.save_every and step % cfg.train.save_every == 0):
+            checkpoint(cfg, step, models, None, data_id)
+        log.log(step, metrics)
+    log.close()
+    print(f"[molt] done: {total} sft steps in {time.time() - t_start:.0f}s; run directory {cfg.run_dir}",
+          file=sys.stderr)
+
+
+def sft_eval_loss(model: ModelGroup, evals: list[Sample]) -> float:
+    import ray
+    logp = model.forward(ray.put(evals), shard_plan(evals, model.world, 1))
+    nll = sum(-float(np.dot(logp[i], s.mask[1:])) for i, s in enumerate(evals))
+    return nll / max(1, sum(sum(s.mask) for s in evals))
+
+
 def next_batch(cfg: Config, step: int, manager, offline) -> Batch | None:
     import ray
     if offline:
@@ -4091,6 +4315,9 @@ def next_batch(cfg: Config, step: int, manager, offline) -> Batch | None:
 def main(argv=None):
     import ray
     cfg = parse_config(argv)
+    check_paths(cfg)
+    if cfg.mode == "sft":
+        return sft_main(cfg)
     rows = load_rows(cfg.data.path, cfg.data) if not cfg.offline_samples else []
     data_id = data_fingerprint(rows)
     ckpt = setup_run_dir(cfg, data_id)

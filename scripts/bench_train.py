@@ -1,13 +1,16 @@
 """Training throughput and weight-sync cost, in one run.
 
-    .venv/bin/python scripts/bench_train.py [--hidden 256] [--layers 4] [--samples 64] [--steps 5]
+    .venv/bin/python scripts/bench_train.py [--hidden 256] [--layers 4] [--samples 64] [--steps 5] [--parts ...]
 
 1. tokens/s of Molt's train step (Ray actor, FSDP2, micro-batched GRPO loss) vs a plain PyTorch loop (same model,
    same batch, same micro-batches, AdamW, one thread) alternating; prints the ratio (goal >= 0.9).
-2. weight-sync time (export into shared memory, engine pause / load / resume) at 116 and 697 MiB, as a ratio to one
+2. token-budget micro-batching vs a fixed count on a batch whose lengths spread over 10x: tokens/s ratio.
+3. --mode sft's train step vs a plain PyTorch loop on the same conversations: tokens/s ratio.
+4. weight-sync time (export into shared memory, engine pause / load / resume) at 116 and 697 MiB, as a ratio to one
    in-memory copy of the same bytes (goal <= 5x).
 """
 import argparse
+import copy
 import os
 import random
 import statistics
@@ -78,9 +81,95 @@ def main(args):
     molt.validate_config(cfg)
     path = random_model(args.hidden, args.layers)
     molt.ray_init(cfg)
-    if not args.sync_only:
-        train_bench(cfg, path, args)
-    sync_bench(cfg)
+    parts = {"train": lambda: train_bench(cfg, path, args), "budget": lambda: budget_bench(cfg, path, args),
+             "sft": lambda: sft_bench(cfg, path, args), "sync": lambda: sync_bench(cfg)}
+    for name in args.parts.split(","):
+        parts[name]()
+
+
+def skewed(n: int, seed=0):
+    """n samples whose lengths spread over 10x (48 to 480 tokens): one long tail in every micro-batch of 8."""
+    rng, out = random.Random(seed), []
+    for k in range(n):
+        length = 48 + (432 * k) // (n - 1)
+        s = molt.Sample(group_id=str(k // 8), rollout_id=str(k), reward=float(rng.random() > 0.5))
+        s.extend([rng.randrange(5, 100) for _ in range(16)])
+        s.extend([rng.randrange(5, 100) for _ in range(length - 16)], [-4.7] * (length - 16), [0] * (length - 16))
+        out.append(s)
+    rng.shuffle(out)
+    return out
+
+
+def budget_bench(cfg, path, args):
+    """Train-step tokens/s, 8 samples per micro-batch vs packing under 8 x the mean length, alternating."""
+    import ray
+    samples = skewed(args.samples)
+    tokens = sum(len(s.tokens) for s in samples)
+    budget = 8 * tokens // len(samples)
+    groups, rates = {}, {0: [], budget: []}
+    for b in rates:
+        c = copy.deepcopy(cfg)
+        c.train.max_tokens_per_micro_batch = b
+        groups[b] = (c, molt.ModelGroup(c, path, "policy", total_steps=100))
+        molt.learn(c, {"policy": groups[b][1]}, samples)  # warm-up
+    for _ in range(args.steps):
+        for b, (c, g) in groups.items():
+            t = time.perf_counter()
+            molt.learn(c, {"policy": g}, samples)
+            rates[b].append(tokens / (time.perf_counter() - t))
+    fixed, packed = statistics.median(rates[0]), statistics.median(rates[budget])
+    print(f"token budget ({len(samples)} samples, 48-480 tokens): fixed 8/micro-batch {fixed:.0f} tok/s, packed under "
+          f"{budget} tokens {packed:.0f} tok/s, ratio {packed / fixed:.2f}")
+    for _, g in groups.values():
+        for w in g.workers:
+            ray.kill(w)
+
+
+def sft_bench(cfg, path, args):
+    """SFT step tokens/s: Molt's --mode sft trainer vs a plain PyTorch loop (same model, batch, micro-batches)."""
+    import ray
+    import torch
+    from transformers import AutoModelForCausalLM
+    codec = molt.Codec(path)
+    rng = random.Random(0)
+    rows = [{"messages": [{"role": "user", "content": " ".join(str(rng.randrange(100)) for _ in range(40))},
+                          {"role": "assistant", "content": " ".join(str(rng.randrange(100)) for _ in range(80))}]}
+            for _ in range(args.samples)]
+    samples = [molt.sft_sample(codec, r, i) for i, r in enumerate(rows)]
+    tokens = sum(len(s.tokens) for s in samples)
+    group = molt.ModelGroup(cfg, path, "sft", total_steps=100)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
+
+    def ours():
+        plan = molt.shard_plan(samples, 1, 1)
+        group.train(ray.put(samples), plan, ray.put(molt.TrainInputs()), molt.plan_counts(samples, plan))
+
+    def plain():
+        n = sum(sum(s.mask) for s in samples)
+        for k in range(0, len(samples), cfg.train.micro_batch_size):
+            rows = samples[k:k + cfg.train.micro_batch_size]
+            T = max(len(s.tokens) for s in rows)
+            ids = torch.tensor([s.tokens + [0] * (T - len(s.tokens)) for s in rows])
+            mask = torch.tensor([s.mask[1:] + [0] * (T - len(s.tokens)) for s in rows], dtype=torch.float)
+            logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])
+            (-(logp[..., 0] * mask).sum() / n).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    rates = {"molt": [], "plain": []}
+    for fn in (ours, plain):  # warm-up
+        fn()
+    for _ in range(args.steps):
+        for name, fn in (("molt", ours), ("plain", plain)):
+            t = time.perf_counter()
+            fn()
+            rates[name].append(tokens / (time.perf_counter() - t))
+    m, p = statistics.median(rates["molt"]), statistics.median(rates["plain"])
+    print(f"sft step ({len(samples)} conversations, {tokens} tokens): molt {m:.0f} tok/s, plain torch {p:.0f} tok/s, "
+          f"ratio {m / p:.3f}")
+    for w in group.workers:
+        ray.kill(w)
 
 
 def train_bench(cfg, path, args):
@@ -153,5 +242,5 @@ if __name__ == "__main__":
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--sync-only", action="store_true", help="only the weight-sync part")
+    p.add_argument("--parts", default="train,budget,sft,sync", help="comma-separated: train, budget, sft, sync")
     main(p.parse_args())

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 AG, EN, TR, AL, RO, MO, CF, FA, SE = ("tests/test_agents.py", "tests/test_engines.py", "tests/test_trainer.py",
                                       "tests/test_algorithms.py", "tests/test_rollout.py", "tests/test_moe.py",
                                       "tests/test_config.py", "tests/test_faults.py", "tests/test_security.py")
+SF, SFT = "tests/test_server_fuzz.py", "tests/test_sft.py"
 SANDBOX, GRADER = "rewards/sandbox.py", "rewards/math_grader.py"
 
 MUTATIONS = [
@@ -50,7 +51,8 @@ MUTATIONS = [
      [f"{AG}::test_a_rewritten_history_opens_a_token_exact_segment"]),
     # -- policy versions and staleness -----------------------------------------------------------------------------
     ("turn-versions", "versions: a Sample drops the engine's per-token versions",
-     "self.extend(c.ids, c.logprobs, c.versions)", "self.extend(c.ids, c.logprobs, [0] * len(c.ids))",
+     "self.extend(c.ids, c.logprobs, c.versions, c.temperature)",
+     "self.extend(c.ids, c.logprobs, [0] * len(c.ids), c.temperature)",
      [f"{RO}::test_staleness_exactly_at_the_bound_is_kept_and_one_past_is_dropped"]),
     ("resume-version", "versions: an engine labels tokens after an update with the previous version",
      "await actor.set_version(version)", "await actor.set_version(version - 1)",
@@ -151,7 +153,7 @@ MUTATIONS = [
      "await engine_resume(actor, actor.version)", "await engine_resume(actor, version)",
      [f"{FA}::test_a_failed_weight_update_never_mislabels_a_token"]),
     ("partial-load-serves", "versions: an engine whose load failed half-way serves on under the new label",
-     "                if attempt == 2:\n                    _leave(", "                if False:\n                    _leave(",
+     "            if attempt == 2:\n                _leave(", "            if False:\n                _leave(",
      [f"{FA}::test_a_failed_weight_update_never_mislabels_a_token"]),
     ("coalesce-cancel", "faults: cancelling one member of a coalesced request strands the others",
      "if not f.done():  # a member whose episode was cancelled", "if True:  # a member whose episode was cancelled",
@@ -165,6 +167,25 @@ MUTATIONS = [
     ("no-watchdog", "faults: the trainer waits forever for a stalled rollout",
      "await asyncio.wait_for(self.changed.wait(), max(left, 0))", "await self.changed.wait()",
      [f"{FA}::test_a_stalled_rollout_ends_the_run_with_a_message"]),
+    # -- server under hostile input, SFT, micro-batching, placement -------------------------------------------------
+    ("json-surrogates", "server: a lone UTF-16 surrogate reaches the tokenizer (a 500)",
+     '        elif isinstance(v, str) and not v.isascii():', '        elif False:',
+     [f"{SF}::test_minimal_repros_answer_4xx_in_shape"]),
+    ("template-kwargs-clash", "server: chat_template_kwargs may override the template's own arguments (a 500)",
+     "    _require(not clash, f\"chat_template_kwargs may not set", "    _require(True, f\"chat_template_kwargs may not set",
+     [f"{SF}::test_minimal_repros_answer_4xx_in_shape"]),
+    ("sft-trains-context", "sft: the end-of-turn text after a reply is trained as if the model wrote it",
+     "        s.add_context(codec.encode(reply[cut:])[0] if reply[cut:] else [])",
+     "        rest = codec.encode(reply[cut:])[0] if reply[cut:] else []\n"
+     "        s.extend(rest, [0.0] * len(rest), [0] * len(rest), 1.0)",
+     [f"{SFT}::test_sft_sample_trains_exactly_the_assistant_turns"]),
+    ("budget-ignored", "micro-batching: packing overruns the token budget",
+     "        if out[-1] and (len(out[-1]) + 1) * max(longest, n) > t.max_tokens_per_micro_batch:",
+     "        if out[-1] and len(out[-1]) >= t.micro_batch_size:",
+     [f"{TR}::test_token_budget_packs_under_the_budget_longest_first"]),
+    ("placement-no-critic", "placement: the critic's GPUs are left out of the plan",
+     '        plan["critic"] = cfg.train.num_ranks', '        pass',
+     [f"{CF}::test_cuda_only_knobs_and_the_gpu_plan_are_checked_before_anything_starts"]),
     # -- launch checks and builders --------------------------------------------------------------------------------
     ("kl-in-reward-ignored", "config: --algo.kl-in-reward is accepted where the estimator ignores it",
      "    if algo.kl_in_reward and not est.token_rewards:", "    if False:",
@@ -183,9 +204,9 @@ MUTATIONS = [
      "    if not any(os.path.commonpath([real, base]) == base for base in bases):", "    if False:",
      [f"{AG}::test_data_row_images_come_only_from_the_data_directory"]),
     ("image-decode-first", "security: a text-only model decodes a request's images before refusing them",
-     '_require(not image_parts(msgs) or self.codec.processor is not None, "this model does not take images")',
-     '_require(not message_images(msgs, self.cfg.data) or self.codec.processor is not None, '
-     '"this model does not take images")', [f"{AG}::test_a_text_only_model_refuses_images_before_decoding_them"]),
+     '        _require(not image_parts(turn.messages) or self.codec.processor is not None, "this model does not '
+     'take images")', '        _require(not message_images(turn.messages, self.cfg.data) or self.codec.processor '
+     'is not None, "this model does not take images")', [f"{AG}::test_a_text_only_model_refuses_images_before_decoding_them"]),
     ("offload-on-the-loop", "agents: offloaded work runs on the pool's event loop",
      "    return await asyncio.wait_for(call, timeout)", "    call.cancel()\n    return fn(*args, **kwargs)",
      [f"{AG}::test_slow_grading_runs_off_the_loop_while_other_episodes_go_on"]),

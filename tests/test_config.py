@@ -1,11 +1,15 @@
 """Section 1: the config tree, its flags and the launch refusals (each names the flag the user must change)."""
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import molt
 
-COPY = str(Path(__file__).resolve().parent.parent / "agents" / "copy.py")
+ROOT = Path(__file__).resolve().parent.parent
+COPY = str(ROOT / "agents" / "copy.py")
 
 
 def parse(*argv):
@@ -46,6 +50,17 @@ def test_explicit_clip_and_aggregation_win_over_the_loss_defaults():
     (["--algo.dual-clip", 0.5], "must be > 1"),
     (["--algo.filter-range", 0.9, 0.1], "LOW < HIGH"),
     (["--rollout.batch-size", 0], "batch-size"),
+    (["--train.num-ranks", 4, "--train.tp-size", 3], "multiple of --train.tp-size x --train.cp-size"),
+    (["--train.num-ranks", 4, "--train.tp-size", 2, "--train.cp-size", 4], r"\(8\)"),
+    (["--train.num-ranks", 4, "--train.ep-size", 3], r"--train.ep-size \(3\)"),
+    (["--train.sequence-parallel"], "needs --train.tp-size > 1"),
+    (["--train.offload", "full"], "needs --train.num-ranks > 1"),
+    (["--engine.mtp-tokens", 2, "--train.routing-replay"], "does not line up"),
+    (["--engine.mtp-tokens", 2], "--no-engine.prefix-caching"),
+    (["--engine.dp-size", 0], ">= 1"),
+    (["--rollout.agent-pools", -1], "agent-pools must be >= 0"),
+    (["--mode", "sft"], "--mode sft needs --data"),
+    (["--mode", "dpo"], "rl or sft"),
 ])
 def test_invalid_combinations_are_refused_naming_the_flag(argv, message):
     with pytest.raises(ValueError, match=message):
@@ -72,6 +87,27 @@ def test_launch_refusals_that_need_the_cluster(tiny):
     molt.check_launch(parse("--algo.estimator", "on_policy_distill", "--ref.model", "tiny"), tiny, gpus=0)
 
 
+def test_cuda_only_knobs_and_the_gpu_plan_are_checked_before_anything_starts(tiny):
+    cfg = parse("--agent", COPY, "--train.num-ranks", 2, "--train.tp-size", 2, "--train.sequence-parallel",
+                "--engine.dp-size", 2, "--engine.expert-parallel", "--engine.mtp-tokens", 1,
+                "--no-engine.prefix-caching", "--train.offload", "full")
+    with pytest.raises(ValueError) as err:
+        molt.check_launch(cfg, tiny, gpus=0)
+    for flag in molt.CUDA_FLAGS:  # every one named, ep-size and cp-size excepted (not set here)
+        assert (flag in str(err.value)) == (flag not in ("--train.cp-size", "--train.ep-size")), flag
+    assert molt.placement(cfg) == {"policy": 2, "engines": 2}
+    with pytest.raises(ValueError, match=r"needs 4 GPUs \(policy 2, engines 2\) but the cluster has 3"):
+        molt.check_launch(cfg, tiny, gpus=3)
+    cfg.train.backend = "hf"  # tensor parallelism is AutoModel's
+    with pytest.raises(ValueError, match="--train.tp-size, --train.sequence-parallel need the AutoModel backend"):
+        molt.check_launch(cfg, tiny, gpus=4)
+    gae = parse("--agent", COPY, "--algo.estimator", "gae", "--train.num-ranks", 2, "--ref.model", "tiny",
+                "--engine.num-engines", 3, "--engine.tp-size", 2)
+    assert molt.placement(gae) == {"policy": 2, "engines": 6, "critic": 2, "ref": 1}
+    with pytest.raises(ValueError, match="needs 11 GPUs"):
+        molt.check_launch(gae, tiny, gpus=8)
+
+
 def test_estimator_traits_decide_what_a_run_needs():
     est = molt.ESTIMATORS
     assert {k for k, e in est.items() if e.groups} == {"reinforce_baseline", "rloo", "grpo", "dr_grpo"}
@@ -83,3 +119,26 @@ def test_estimator_traits_decide_what_a_run_needs():
     assert not molt.kl_in_loss(algo) and molt.kl_in_advantage(algo)
     distill = molt.resolve_loss_defaults(molt.AlgoConfig(estimator="on_policy_distill", kl_coef=0.1))
     assert not molt.kl_in_loss(distill) and molt.kl_in_advantage(distill)
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--agent", "agents/copy.py", "--data", "missing.jsonl"], "--data missing.jsonl"),
+    (["--agent", "agents/copy.py", "--model", "/nonexistent/model"], "--model /nonexistent/model"),
+    (["--agent", "agents/nope.py"], "--agent agents/nope.py"),
+    (["--agent", "agents/copy.py", "--eval-data", "./held/out.parquet"], "--eval-data ./held/out.parquet"),
+    (["--agent", "agents/copy.py", "--ref.model", "runs/x/checkpoints/step_000001"], "--ref.model runs/x"),
+])
+def test_a_missing_path_is_one_line_naming_the_flag_before_anything_starts(args, flag):
+    t = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "molt.py"), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode != 0 and time.perf_counter() - t < 5
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and flag in lines[0] and "no such file" in lines[0], proc.stderr[-2000:]
+
+
+def test_a_hub_id_is_not_mistaken_for_a_path():
+    molt.check_path("--model", "Qwen/Qwen3-4B")  # org/name: left to the hub
+    molt.check_path("--data", "openai/gsm8k")
+    with pytest.raises(molt.UsageError, match="--data data/gsm8k.jsonl"):
+        molt.check_path("--data", "data/gsm8k.jsonl")

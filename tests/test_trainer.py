@@ -57,6 +57,49 @@ def test_one_rank_and_two_ranks_take_the_same_step(ray_cluster, tiny, agg):
         assert torch.allclose(w1[k], w2[k], atol=1e-4), (k, float((w1[k] - w2[k]).abs().max()))
 
 
+def skewed_samples(seed=0):
+    """16 samples whose lengths spread over 10x (8 to 80 tokens), in groups of 4."""
+    rng, out = random.Random(seed), []
+    for k in range(16):
+        n = 8 + (72 * k) // 15
+        s = molt.Sample(group_id=f"g{k // 4}", rollout_id=f"r{k}", reward=float(rng.random() > 0.5))
+        s.extend([rng.randrange(5, 100) for _ in range(4)])
+        s.extend([rng.randrange(5, 100) for _ in range(n - 4)], [-4.7] * (n - 4), [0] * (n - 4))
+        out.append(s)
+    rng.shuffle(out)
+    return out
+
+
+def test_token_budget_packs_under_the_budget_longest_first():
+    samples = skewed_samples()
+    t = small_config(**{"train.max_tokens_per_micro_batch": 160}).train
+    [[mine]] = molt.shard_plan(samples, 1, 1)
+    packs = molt.pack_micro_batches(samples, mine, t)
+    assert sorted(i for p in packs for i in p) == list(range(16))  # every sample once
+    for p in packs:
+        assert len(p) * max(len(samples[i].tokens) for i in p) <= 160, p
+    assert [len(p) for p in packs] == [2, 2, 2, 3, 4, 3]  # 80+75, 70+65, ...: the shorter, the more per batch
+    t.max_tokens_per_micro_batch = 50
+    assert molt.pack_micro_batches(samples, mine, t)[0] == [mine[0]]  # an 80-token sample over the budget: alone
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_token_budget_step_equals_the_fixed_count_step(ray_cluster, tiny, ranks):
+    """Same batch (lengths over 10x), same step: 3 samples per micro-batch, or packed under 160 tokens (unequal
+    numbers of micro-batches per rank when sharded: the short rank runs masked copies)."""
+    samples, results = skewed_samples(), []
+    for budget in (0, 160):
+        cfg, group = trainer(tiny, ranks, **{"train.max_tokens_per_micro_batch": budget})
+        results.append((molt.learn(cfg, {"policy": group}, samples), weights(group)))
+        for w in group.workers:
+            ray_cluster.kill(w)
+    (m1, w1), (m2, w2) = results
+    assert m1["loss/policy"] == pytest.approx(m2["loss/policy"], abs=1e-5)
+    assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-4)
+    for k in w1:
+        assert torch.allclose(w1[k], w2[k], atol=1e-4), (k, float((w1[k] - w2[k]).abs().max()))
+
+
 def engine_gap(ray_cluster, engine, group, version):
     """Largest |engine log-prob - trainer log-prob| over 24 sampled tokens, and their versions."""
     [c] = run(engine.generate.remote(molt.EngineRequest([5, 6, 7, 8], sampling={
