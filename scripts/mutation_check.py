@@ -152,9 +152,8 @@ MUTATIONS = [
     ("failed-stage-relabels", "versions: an engine whose update could not be staged takes the new label anyway",
      "await engine_resume(actor, actor.version)", "await engine_resume(actor, version)",
      [f"{FA}::test_a_failed_weight_update_never_mislabels_a_token"]),
-    ("partial-load-serves", "versions: an engine whose load failed half-way serves on under the new label",
-     "            if attempt == 2:\n                _leave(", "            if False:\n                _leave(",
-     [f"{FA}::test_a_failed_weight_update_never_mislabels_a_token"]),
+    # (no mutation skips the deliberate exit after a load that failed twice: vLLM 0.32's layerwise reload leaves the
+    # layers it did not reach on the meta device, so such an engine dies at its next step anyway: equivalent here)
     ("coalesce-cancel", "faults: cancelling one member of a coalesced request strands the others",
      "if not f.done():  # a member whose episode was cancelled", "if True:  # a member whose episode was cancelled",
      [f"{EN}::test_a_coalesced_request_survives_a_cancelled_member"]),

@@ -1,6 +1,7 @@
 """Section 7: the streaming pool (RolloutManager) on its own, with a stand-in for the agent pool actors (no Ray, no
 engine): staleness at and past the bound, the data cursor across a checkpoint, filtering and counting."""
 import asyncio
+import signal
 
 import molt
 from conftest import small_config
@@ -47,9 +48,20 @@ def manager(data, state=None, **overrides):
 
 
 def batches(m, k, version=0):
-    async def main():  # bounded: a manager that drops every group would loop forever
-        return [await asyncio.wait_for(m.get_batch(version), 30) for _ in range(k)]
-    return asyncio.run(main())
+    """k batches, within 30 s: a manager that drops every group loops forever, and a busy loop never yields to
+    asyncio's timeouts, so an alarm bounds it."""
+    def expire(*_):
+        raise TimeoutError("the rollout manager produced no batch in 30 s")
+
+    async def main():
+        return [await m.get_batch(version) for _ in range(k)]
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(30)
+    try:
+        return asyncio.run(main())
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def prompts(batch):
