@@ -1,6 +1,6 @@
 """Async vs synchronous training, and partial rollout vs abort-and-restart, measured in one run.
 
-    .venv/bin/python scripts/bench_async.py [--steps 30] [--tokens 64]
+    .venv/bin/python scripts/bench_async.py [--steps 30] [--tokens 64] [molt.py flags for every run]
 
 Runs molt.py three times on the copy agent with long responses (so rollout and training both take time):
 synchronous (--train.async-queue-size 0), async with partial rollout (the default), async with abort-and-restart.
@@ -35,9 +35,9 @@ def run(name, args, extra):
 
 
 def main(args):
-    sync = run("sync", args, ["--train.async-queue-size", "0"])
-    partial = run("partial", args, [])
-    abort = run("abort", args, ["--rollout.update-mode", "abort"])
+    sync = run("sync", args, ["--train.async-queue-size", "0", *args.molt])
+    partial = run("partial", args, args.molt)
+    abort = run("abort", args, ["--rollout.update-mode", "abort", *args.molt])
     bound = max(sync["time/rollout_wait"], sync["time/train"] + sync["time/weight_sync"])
     print(f"async step / max(rollout, train) = {partial['time/step']:.3f} / {bound:.3f} = "
           f"{partial['time/step'] / bound:.2f} (goal <= 1.1); async vs sync step time "
@@ -51,4 +51,6 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--tokens", type=int, default=64)
-    main(p.parse_args())
+    known, rest = p.parse_known_args()
+    known.molt = rest  # any other flags go to every molt.py run, e.g. --rollout.agent-pools 2
+    main(known)

@@ -154,14 +154,23 @@ TEMPLATE_KWARGS = st.one_of(st.dictionaries(st.sampled_from(
      "return_dict", "chat_template", "messages", "foo"]), VALUE, max_size=3), VALUE)
 
 
-def o_messages(draw, b):
-    b["messages"] = draw(st.one_of(VALUE, st.just([]), st.lists(O_MESSAGE, min_size=1, max_size=4)))
+def whole_messages(message):
+    """An operation: the whole messages field hostile (not a list, empty, or a few hostile messages)."""
+    def op(draw, b):
+        b["messages"] = draw(st.one_of(VALUE, st.just([]), st.lists(message, min_size=1, max_size=4)))
+    return op
 
 
-def o_message(draw, b):
-    msgs = b["messages"] if isinstance(b.get("messages"), list) and b["messages"] else [{"role": "user"}]
-    msgs[draw(st.integers(0, len(msgs) - 1))] = draw(O_MESSAGE)
-    b["messages"] = msgs
+def one_message(message):
+    """An operation: one message of an otherwise valid conversation replaced by a hostile one."""
+    def op(draw, b):
+        msgs = b["messages"] if isinstance(b.get("messages"), list) and b["messages"] else [{"role": "user"}]
+        msgs[draw(st.integers(0, len(msgs) - 1))] = draw(message)
+        b["messages"] = msgs
+    return op
+
+
+o_messages, o_message = whole_messages(O_MESSAGE), one_message(O_MESSAGE)
 
 
 def o_field(draw, b):
@@ -301,14 +310,7 @@ THINKING = st.one_of(opt({}, {"type": st.one_of(st.sampled_from(["enabled", "dis
                               "budget_tokens": st.one_of(INTS, VALUE)}), VALUE)
 
 
-def a_messages(draw, b):
-    b["messages"] = draw(st.one_of(VALUE, st.just([]), st.lists(A_MESSAGE, min_size=1, max_size=4)))
-
-
-def a_message(draw, b):
-    msgs = b["messages"] if isinstance(b.get("messages"), list) and b["messages"] else [{"role": "user"}]
-    msgs[draw(st.integers(0, len(msgs) - 1))] = draw(A_MESSAGE)
-    b["messages"] = msgs
+a_messages, a_message = whole_messages(A_MESSAGE), one_message(A_MESSAGE)
 
 
 def a_blocks(draw, b):
