@@ -30,7 +30,8 @@ def host(tmp_path):
     keep = tmp_path / "keep.txt"
     keep.write_text("original")
     (tmp_path / "secret.txt").write_text(SECRET)
-    sentinel = subprocess.Popen(["sleep", "300"])
+    # the sentinel carries the secret in its command line (world-readable in /proc wherever its pid is visible)
+    sentinel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", SECRET])
     yield {"new": tmp_path / f"escaped-{uuid.uuid4().hex}", "keep": keep, "secret": tmp_path / "secret.txt",
            "pid": sentinel.pid, "dir": tmp_path}
     sentinel.kill()
@@ -89,6 +90,8 @@ READS = {
                              "    except OSError: pass",
     "parent process environ": "import os\nprint(open(f'/proc/{{os.getppid()}}/environ').read())",
     "host process by pid": "print(open('/proc/{pid}/environ').read())",
+    "host command lines": "import glob\nfor p in glob.glob('/proc/*/cmdline'):\n    try: print(open(p).read())\n"
+                          "    except OSError: pass",
     "shadow": "print(open('/etc/shadow').read())",
     "walk the host": "import os\nfor r, d, f in os.walk('/'):\n    for x in f:\n        p = os.path.join(r, x)\n"
                      "        try: s = open(p, errors='ignore').read(1 << 16)\n        except Exception: continue\n"
@@ -239,7 +242,8 @@ def test_the_code_reward_cannot_be_forged(solution, reward):
     "\\boxed{(lambda: __import__('subprocess').run(['touch', '{new}']))()}",
 ])
 def test_the_grader_never_runs_the_answer(host, answer):
-    verdict = grader.grade_verdict(answer.replace("{new}", str(host["new"])), "5")
+    # the gold answer is one no digit of the injected path (pytest numbers its tmp dirs) can spell
+    verdict = grader.grade_verdict(answer.replace("{new}", str(host["new"])), "-31337")
     assert verdict.correct is False and not host["new"].exists()
 
 
