@@ -34,12 +34,13 @@ REQUIRED = ["step", "policy_version", "reward/mean", "samples", "tokens/generate
 def test_copy_task_learns_and_resumes(tmp_path, queue):
     run = tmp_path / "run"
     molt("--agent", "agents/copy.py", "--run-dir", run, "--train.async-queue-size", queue, "--target-reward", 0.9,
-         "--dump-samples", "--train.save-every", 100)
+         "--dump-samples", "--train.save-every", 100, "--steps", 1000)
     m = metrics(run)
     last = m[-1]["step"]
-    # --target-reward stopped it: the last 10 steps averaged 0.9 before the 600-step budget ran out, starting from a
-    # random model that almost never answers right (measured: 0.0-0.02 over the first 10 steps)
-    assert last < 600 and sum(r["reward/mean"] for r in m[-10:]) / 10 >= 0.9
+    # --target-reward stopped it: the last 10 steps averaged 0.9 before the 1000-step budget ran out, starting from a
+    # random model that almost never answers right (measured: 0.0-0.02 over the first 10 steps). Sampling is not
+    # seeded per request, so runs differ: measured 267-451 steps, and once 600+ (a plateau near 0.7 at steps 300-450)
+    assert last < 1000 and sum(r["reward/mean"] for r in m[-10:]) / 10 >= 0.9
     assert sum(r["reward/mean"] for r in m[:10]) / 10 < 0.2
     assert all(k in m[-1] for k in REQUIRED)
     assert all(r["rollout/tokens_discarded"] == 0 for r in m if "rollout/tokens_discarded" in r)
