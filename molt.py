@@ -426,6 +426,7 @@ def check_parallelism(cfg: Config):
                          "restored from a cached prefix)")
 
 
+SHARDING_FLAGS = ("--train.tp-size", "--train.cp-size", "--train.ep-size", "--train.sequence-parallel")  # AutoModel's
 CUDA_FLAGS = {"--train.tp-size": lambda c: c.train.tp_size > 1, "--train.cp-size": lambda c: c.train.cp_size > 1,
               "--train.ep-size": lambda c: c.train.ep_size > 1,
               "--train.sequence-parallel": lambda c: c.train.sequence_parallel,
@@ -454,7 +455,7 @@ def check_launch(cfg: Config, model_path: str, gpus: float):
     if gpus and sum(plan.values()) > gpus:
         raise UsageError(f"the run needs {sum(plan.values())} GPUs ({', '.join(f'{k} {v}' for k, v in plan.items())})"
                          f" but the cluster has {gpus:g}")
-    sharding = [f for f, used in list(CUDA_FLAGS.items())[:4] if used(cfg)]
+    sharding = [f for f in SHARDING_FLAGS if CUDA_FLAGS[f](cfg)]
     if sharding and not automodel_backend(cfg, bool(gpus)):
         raise UsageError(f"{', '.join(sharding)} need the AutoModel backend (--train.backend automodel)")
     routing = cfg.train.routing_replay or cfg.train.routing_capture
@@ -1303,7 +1304,6 @@ class Codec:
         self.tokenizer = self.processor.tokenizer if self.processor else AutoTokenizer.from_pretrained(model_path)
         self.text_ids: OrderedDict[str, list[int]] = OrderedDict()  # prompts a group shares, bounded in characters
         self.cached_chars = 0
-        self.rendered: OrderedDict[str, str] = OrderedDict()  # the n episodes of a group render the same prompt
         source = (self.processor or self.tokenizer).chat_template
         self.template_vars = template_variables(source) - TEMPLATE_RESERVED
         self.probe_base = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": PROBE}],
@@ -1312,23 +1312,10 @@ class Codec:
 
     def render(self, messages: list[dict], tools=None, generation=True, **template) -> str:
         """The chat template's text; template holds extra template variables (e.g. enable_thinking): those the
-        template does not read are dropped, as vLLM does, and none can override what render itself passes. Short
-        conversations are memoised (Jinja costs more than the key)."""
-        template = {k: v for k, v in template.items() if k in self.template_vars}
-        try:
-            key = json.dumps([messages, tools, generation, template], sort_keys=True)
-        except (TypeError, ValueError):  # images or other objects in the messages
-            key = None
-        if key in self.rendered:
-            return self.rendered[key]
-        text = (self.processor or self.tokenizer).apply_chat_template(
+        template does not read are dropped, as vLLM does, and none can override what render itself passes."""
+        return (self.processor or self.tokenizer).apply_chat_template(
             template_messages(messages), tools=tools or None, tokenize=False, add_generation_prompt=generation,
-            **template)
-        if key is not None and len(key) <= 4096:
-            self.rendered[key] = text
-            if len(self.rendered) > 1024:
-                self.rendered.popitem(last=False)
-        return text
+            **{k: v for k, v in template.items() if k in self.template_vars})
 
     def encode(self, text: str, images: list | None = None) -> tuple[list[int], dict | None]:
         """(ids, processor tensors for the images or None)."""
