@@ -254,7 +254,9 @@ class Config:
     force: bool = _f(False, "with --resume: accept config changes that break continuity (recorded in "
                      "config_changes.jsonl)")
     target_reward: float = _f(0.0, "stop early once the mean reward of the last 10 steps reaches this (0 = off)")
-    dump_samples: bool = _f(False, "write every step's Samples to samples/step_NNNNNN.jsonl")
+    dump_samples: bool = _f(False, "write every step's Samples to samples/step_NNNNNN.jsonl (see: molt.py view RUN_DIR)")
+    verbose: bool = _f(False, "stream engine, Ray and library logs to the console (default: RUN_DIR/logs/, one file "
+                              "per component)")
     offline_samples: str = _f("", "train on Samples dumped by --dump-samples in this directory instead of generating")
     ray_address: str = _f("", "join an existing Ray cluster (default: start a local one)")
     wandb_project: str = _f("", "log to Weights & Biases under this project")
@@ -536,6 +538,9 @@ class Sample:
     mm: dict | None = None  # processor tensors the training forward needs (pixel_values, image_grid_thw)
     n_images: int = 0
     images: list = field(default_factory=list, repr=False)  # PIL images sent to the engine (rollout side only)
+    trainer: dict | None = None  # per token, what the trainer saw (attach_views; --dump-samples only)
+    thumbnails: list = field(default_factory=list, repr=False)  # small JPEG data URIs of images (--dump-samples only)
+    drift: dict | None = None  # how a text-based retokenization would differ (chat agents' last segment; drift_report)
 
     def extend(self, ids, logprobs=None, versions=None, temperature: float | None = None):
         """Append tokens; with logprobs they were sampled (trainable) at `temperature` (None: the run's), without
@@ -605,12 +610,23 @@ class Sample:
                 "prompt_index": self.prompt_index, "epoch": self.epoch, "tokens": self.tokens,
                 "mask": self.mask, "logprobs": self.logprobs, "versions": self.versions, "temperatures": self.temperatures,
                 "reward": self.reward, "score": self.score, "n_images": self.n_images,
-                "finish_reason": self.finish_reason, "info": self.info}
+                "finish_reason": self.finish_reason, "info": self.info,
+                **{k: v for k, v in (("trainer", self.trainer), ("drift", self.drift), ("thumbnails", self.thumbnails))
+                   if v}}
 
     @staticmethod
     def from_json(d: dict) -> "Sample":
         keys = {f.name for f in dataclasses.fields(Sample)}
         return Sample(**{k: v for k, v in d.items() if k in keys})
+
+
+def thumbnail(image, size: int = 96) -> str:
+    """A PIL image as a small JPEG data URI (the sample dump keeps these, not the images)."""
+    small = image.convert("RGB")
+    small.thumbnail((size, size))
+    buf = io.BytesIO()
+    small.save(buf, format="JPEG", quality=70)
+    return "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def oldest_version(s: Sample) -> int:
@@ -801,7 +817,11 @@ class ChatAgentRunner(Runner):
         finally:
             segments = pool.server.close(ctx.session_id)
         check_result(result, f"{self.agent_cls.__name__}.run")
-        return [finish_sample(s, first_scalar(result.reward), result) for s in segments]
+        samples = [finish_sample(s, first_scalar(result.reward), result) for s in segments]
+        drift = next((s.drift["metrics"] for s in samples if s.drift), {})
+        for s in samples:  # per episode, like the agent's own info (step_metrics averages them over episodes)
+            s.info.update(drift)
+        return samples
 
 
 class BadResult(TypeError):
@@ -946,6 +966,7 @@ class EngineActor:
     """A vLLM AsyncLLM in a Ray actor: EngineRequests in, Completions out. update() loads new weights (§11)."""
 
     def __init__(self, cfg: Config, model_path: str, index: int):
+        capture_logs(f"engine-{index}")
         from transformers import AutoConfig
         from vllm.v1.engine.async_llm import AsyncLLM
         self.cfg, self.index, self.version = cfg, index, 0
@@ -1114,6 +1135,21 @@ def _absorb(acc: Completion, c, top: int = 0):
             acc.routing = np.asarray(c.routed_experts, dtype=np.int16)
 
 
+def capture_logs(name: str):
+    """In a Ray actor of a run without --verbose (ray_init sets MOLT_LOG_DIR): this process's stdout and stderr, and
+    so its libraries' logs and its child processes', go to RUN_DIR/logs/NAME.log instead of the console."""
+    log_dir = os.environ.get("MOLT_LOG_DIR")
+    if not log_dir:
+        return
+    os.makedirs(log_dir, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(os.path.join(log_dir, f"{name}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def ray_init(cfg: Config):
     """A local cluster by default (offline, no dashboard); --ray-address joins an existing one. Actors import
     molt by name (vLLM loads EngineWorker from it), so this file's directory goes on their PYTHONPATH."""
@@ -1124,7 +1160,11 @@ def ray_init(cfg: Config):
     env = {"PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p),
            "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}
     env.update({k: v for k, v in os.environ.items() if k.startswith(("MOLT_", "VLLM_", "HF_", "WANDB_", "OMP_"))})
-    kw = dict(runtime_env={"env_vars": env}, include_dashboard=False, logging_level="WARNING")
+    quiet = bool(cfg.run_dir) and not cfg.verbose
+    if quiet:
+        env["MOLT_LOG_DIR"] = str(Path(cfg.run_dir, "logs").resolve())
+    kw = dict(runtime_env={"env_vars": env}, include_dashboard=False, logging_level="ERROR" if quiet else "WARNING",
+              log_to_driver=not quiet)
     if cfg.ray_address:
         ray.init(address=cfg.ray_address, **kw)
     else:  # logical CPUs are bookkeeping: more than cores, or actors wait for each other forever
@@ -1888,7 +1928,60 @@ class Session:
     last_messages: list | None = None
     last_tools: Any = None
     choices: list = field(default_factory=list)  # [(Reply, the Sample it extended)] of the last turn
+    template: dict = field(default_factory=dict)  # the last turn's chat-template variables
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+DRIFT_CAUSES = ("template", "tool_call", "boundary", "compaction")
+
+
+def drift_report(codec: Codec, s: Session, segments: list[Sample]) -> dict:
+    """What a text-based framework would have trained on: the final conversation re-rendered through the chat
+    template and tokenized, against the token-exact segments. Causes: a compacted episode (earlier segments exist
+    only here), and, at the first token where the last segment and the re-tokenization part, the same text split into
+    other tokens or a sampled special token the text drops (boundary), other text inside an assistant turn with tool
+    calls (tool_call) or elsewhere: the template re-rendering an earlier turn (template). -> {"metrics": per-episode numbers for Result.info, "cause",
+    "first" (the first differing token), "retokenized" (on a mismatch)}."""
+    reply, seg = s.choices[0]
+    msgs = [*s.last_messages, reply_message(reply)]
+    try:
+        text = codec.render(msgs, s.last_tools, generation=False, **s.template)
+        retok = codec.encode(text, seg.images or None)[0]
+    except Exception as e:  # a template that cannot render the reply back: no comparison, counted
+        return {"metrics": {"drift/unrendered": 1.0}, "error": f"{type(e).__name__}: {e}"}
+    earlier = sum(len(x.tokens) for x in segments if x is not seg)
+    first = next((k for k, (a, b) in enumerate(zip(seg.tokens, retok)) if a != b), None)
+    if first is None and len(retok) < len(seg.tokens):
+        first = len(retok)
+    causes = {"compaction"} if earlier else set()
+    changed = earlier
+    if first is not None:
+        import difflib
+        matched = difflib.SequenceMatcher(None, seg.tokens, retok, autojunk=False).get_matching_blocks()
+        changed += len(seg.tokens) - sum(b.size for b in matched)
+        causes.add(drift_cause(codec, msgs, seg, retok, first, s))
+    metrics = {"drift/retokenize_mismatch_frac": float(bool(causes)),
+               "drift/tokens_changed_frac": changed / (earlier + len(seg.tokens)),
+               **{f"drift/cause/{c}": float(c in causes) for c in DRIFT_CAUSES}}
+    return {"metrics": metrics, "cause": sorted(causes), "first": first,
+            **({"retokenized": retok} if first is not None else {})}
+
+
+def drift_cause(codec: Codec, msgs: list[dict], seg: Sample, retok: list[int], k: int, s: Session) -> str:
+    """Why the segment and the re-tokenization part at token k (drift_report): the same text split differently, or
+    a special token the policy sampled (the reply's text drops it) -> boundary; else the message the re-rendered text
+    was in decides."""
+    decode, tokens = codec.tokenizer.decode, seg.tokens
+    ours, theirs = decode(tokens[k:], skip_special_tokens=False), decode(retok[k:], skip_special_tokens=False)
+    if theirs.startswith(ours) or ours.startswith(theirs):
+        return "boundary"
+    if seg.mask[k] and not codec.decode(tokens[k:k + 1]):
+        return "boundary"
+    at = len(decode(retok[:k], skip_special_tokens=False))
+    for i in range(len(msgs)):  # the message the re-rendered text was in when it parted
+        if len(codec.render(msgs[:i + 1], s.last_tools, generation=False, **s.template)) > at:
+            break
+    return "tool_call" if msgs[i]["role"] == "assistant" and msgs[i].get("tool_calls") else "template"
 
 
 @dataclass
@@ -1952,8 +2045,12 @@ class LoopbackServer:
                            judge_api_key=os.environ.get(judge.api_key_env, "") if judge.url else self.key)
 
     def close(self, sid: str) -> list[Sample]:
+        """The episode's trainable segments; the one its last reply extended carries the drift report."""
         s = self.sessions.pop(sid)
-        return [seg for seg in s.segments if any(seg.mask)]
+        segments = [seg for seg in s.segments if any(seg.mask)]
+        if s.choices and s.choices[0][1] in segments:
+            s.choices[0][1].drift = drift_report(self.codec, s, segments)
+        return segments
 
     def authorize(self, request) -> Session:
         """The request's session; without a session id in the path, a throwaway session (nothing is recorded)."""
@@ -2125,7 +2222,7 @@ class LoopbackServer:
             seg.add_context(prep.ids, prep.images, prep.mm)
             seg.add_turn(c)
             choices.append((self.reply(c, turn, prompt_tokens), seg))
-        s.last_messages, s.last_tools, s.choices = turn.messages, turn.tools, choices
+        s.last_messages, s.last_tools, s.choices, s.template = turn.messages, turn.tools, choices, turn.template
         return [reply for reply, _ in choices]
 
     def reply(self, c: Completion, turn: Turn, prompt_tokens: int) -> Reply:
@@ -2358,7 +2455,8 @@ class AgentPool:
     """Runs many episodes concurrently on one event loop: the agent module, a codec, a router to the engines and (for
     chat agents) a loopback server. A Ray actor in a run; a plain object in tests."""
 
-    def __init__(self, cfg: Config, agent_path: str, model_path: str, engines: list):
+    def __init__(self, cfg: Config, agent_path: str, model_path: str, engines: list, index: int = 0):
+        capture_logs(f"pool-{index}")
         self.cfg = cfg
         # reward helpers the agent loads (rewards/sandbox.py) apply the same image caps to what tools save
         os.environ.update(MOLT_IMAGE_MAX_MB=str(cfg.data.image_max_mb),
@@ -2416,6 +2514,7 @@ class AgentPool:
             raise RuntimeError("every engine this pool routes to is dead (see the engine logs above)")
         samples = [s for r in results for s in r]
         for s in samples:
+            s.thumbnails = [thumbnail(im) for im in s.images] if self.cfg.dump_samples else []
             s.images = []  # the trainer needs the processor tensors in s.mm, not the PIL images
             s.prompt_index, s.epoch = index, epoch
         return GroupOut(samples, failures, self.router.failures)
@@ -2485,6 +2584,7 @@ class RolloutManager:
     checkpoint, so a resume loses no finished group and re-issues every prompt that was in flight."""
 
     def __init__(self, cfg: Config, rows: list[dict], pools: list, state: dict | None = None, engines: list = ()):
+        capture_logs("rollout")
         self.cfg, self.rows, self.pools, self.engines = cfg, rows, pools, list(engines)
         state = state or {}
         self.epoch, self.cursor = state.get("epoch", 0), state.get("cursor", 0)
@@ -3039,6 +3139,8 @@ def policy_microbatch_loss(w, mb: dict, n_tokens: float, n_seqs: float):
              "rollout/ratio_mean": ((torch.exp(log_ratio(old, mb["behaviour"])).clamp(max=1e4) * mask).sum(), n)}
     for key, val in st.items():
         stats[key] = ((val * mask).sum(), n)
+    if w.cfg.dump_samples:  # the trainer's view of each token, for the sample dump and the viewer  [B, S] each
+        w.token_view = {"trainer_logprobs": old, "is_weight": st["is/weight"], "is_masked": st["is/masked_frac"]}
     mismatch = [r.molt_mismatch for r in w.model._molt_routers if getattr(r, "molt_mismatch", None) is not None]
     if mismatch:  # (token, layer) selections where the engine and this forward chose different experts
         stats["moe/routing_mismatch"] = (sum(float(d.sum()) for d, _ in mismatch),
@@ -3169,8 +3271,10 @@ class ModelWorker:
     """One FSDP2 rank of a role's model (ROLES): forward passes, training steps, weight export, checkpoints."""
 
     def __init__(self, cfg: Config, model_path: str, role: str, rank: int, world: int):
+        capture_logs(f"{role}-{rank}")
         self.cfg, self.path, self.role, self.rank, self.world = cfg, model_path, role, rank, world
         self.spec, self.shm = ROLES[role], None  # shm: the weight-sync buffers (§11), rank 0 only
+        self.token_view, self.views = None, {}  # the trainer's per-token view of this step's samples (--dump-samples)
         resolve_loss_defaults(cfg.algo)  # a Config built in code rather than parsed still gets its loss's defaults
 
     def address(self):
@@ -3247,6 +3351,7 @@ class ModelWorker:
                     mb = collate(batch, idx, inputs, self.device, self.cfg.rollout.temperature)
                     loss, stats = self.spec.loss(self, mb, *counts[m])
                     (loss * self.world).backward()  # FSDP averages gradients over ranks; the loss is a global sum
+                    self.keep_view(batch, idx)
                     for key, (num, den) in stats.items():
                         add(key, num, den)
                     if fault("train", step=step) and self.role == "policy":  # the fault tests kill the run here
@@ -3254,6 +3359,17 @@ class ModelWorker:
                 add("lr", self.optim.param_groups[0]["lr"], 1)
                 add("grad_norm", self.step(), 1)
         return sums
+
+    def keep_view(self, batch: list[Sample], idx: list[int]):
+        """The first (pre-update) view of each sample this step: what take_views hands the dump."""
+        view, self.token_view = self.token_view, None
+        for j, i in enumerate(idx) if view else ():
+            if i >= 0 and i not in self.views:
+                self.views[i] = {k: v[j, :len(batch[i].tokens) - 1].float().cpu().numpy() for k, v in view.items()}
+
+    def take_views(self) -> dict:
+        views, self.views = self.views, {}
+        return views
 
     def step(self) -> float:
         import torch
@@ -3397,6 +3513,15 @@ def forwards_before_update(cfg: Config, models: dict, batch, samples: list[Sampl
     return old, ref, values
 
 
+def attach_views(samples: list[Sample], views: list[dict], adv: dict):
+    """Sample.trainer: the trainer's log-probs, IS weight, IS-gate mask and advantage of each token, on the token axis
+    like logprobs (step t scores token t + 1; 0 at the first token), rounded for the dump."""
+    merged = {i: v for part in views for i, v in part.items()}
+    for i, s in enumerate(samples):
+        channels = {**merged.get(i, {}), "advantages": adv[i]}
+        s.trainer = {k: [0.0] + [round(float(x), 4) for x in v] for k, v in channels.items()}
+
+
 def learn(cfg: Config, models: dict, samples: list[Sample]) -> dict:
     """One training step on a batch of Samples: the forwards the algorithm needs, advantages on the driver (whole
     batch: group baselines and whitening are exact), then the policy (and critic) updates. Nothing is trained if any
@@ -3418,6 +3543,8 @@ def learn(cfg: Config, models: dict, samples: list[Sample]) -> dict:
         critic = models["critic"].train(batch, plan, ray.put(critic_inputs), counts)
         metrics.update({f"critic/{k}": v for k, v in critic.items()})
     metrics["adv/mean"] = float((adv * mask).sum() / mask.sum().clamp(min=1))
+    if cfg.dump_samples:
+        attach_views(samples, models["policy"].run("take_views"), per_sample(adv, samples))
     if kl is not None:
         metrics["kl/ref"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
     return metrics
@@ -4161,7 +4288,7 @@ def launch_pools(cfg: Config, model_path: str, engines: list) -> list:
     agent = cfg.agent or str(Path(__file__).resolve())  # this file exports the built-in distillation agent
     # more pools than cores only adds contention (on 2 cores, 2 pools made the copy task's step 16 % slower than 1)
     n = cfg.rollout.agent_pools or max(1, min(8, (os.cpu_count() or 2) // 2))
-    return [actor.remote(cfg, agent, model_path, engines) for _ in range(n)]
+    return [actor.remote(cfg, agent, model_path, engines, i) for i in range(n)]
 
 
 def launch_models(cfg: Config, model_path: str, ckpt: Path | None) -> dict:
@@ -4260,7 +4387,7 @@ def sft_main(cfg: Config):
     models = {"policy": ModelGroup(cfg, model_path, "sft", total)}
     log, rng = Logger(cfg, cfg.run_dir, 0), random.Random(cfg.seed)
     print(f"[molt] {cfg.run_dir}: sft on {len(samples)} conversations, {total} steps, start-up "
-          f"{time.time() - t_start:.1f}s", file=sys.stderr)
+          f"{time.time() - t_start:.1f}s{log_note(cfg)}", file=sys.stderr)
     order: list[int] = []
     for step in range(1, total + 1):
         t0 = time.perf_counter()
@@ -4301,11 +4428,57 @@ def next_batch(cfg: Config, step: int, manager, offline) -> Batch | None:
 
 
 def main(argv=None):
-    import ray
+    """python molt.py [flags] trains (RL, or SFT with --mode sft); python molt.py view RUN_DIR writes the viewer."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["view"]:
+        return view_main(argv[1:])
     cfg = parse_config(argv)
     check_paths(cfg)
-    if cfg.mode == "sft":
-        return sft_main(cfg)
+    try:
+        return (sft_main if cfg.mode == "sft" else rl_main)(cfg)
+    except (UsageError, KeyboardInterrupt):
+        raise
+    except Exception as err:
+        if cfg.verbose or not cfg.run_dir:
+            raise
+        crash_report(cfg, err)
+
+
+def log_note(cfg: Config) -> str:
+    return "" if cfg.verbose else f"; engine, trainer and agent logs in {Path(cfg.run_dir) / 'logs'}/"
+
+
+def crash_report(cfg: Config, err: Exception):
+    """A failed run without --verbose: the error in one line, the root cause each component logged, and where the logs
+    are (driver.log gets the traceback)."""
+    import traceback
+    logs = Path(cfg.run_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / "driver.log", "a") as f:
+        f.write("".join(traceback.format_exception(err)))
+    cause = getattr(err, "cause", None)  # a Ray task's error carries the original exception; an actor's death does not
+    lines = [x.strip() for x in str(err).splitlines() if x.strip()] or [type(err).__name__]
+    where = re.search(r"ray::(\w+\.\w+)", str(err))
+    head = f"{type(cause).__name__}: {cause}" if isinstance(cause, Exception) else lines[-1]
+    notes = [f"  {path}: {line}" for path, line in logged_errors(logs, head)]
+    raise SystemExit("\n".join([f"molt: error{' in ' + where.group(1) if where else ''}: {head}", *notes,
+                                f"  traceback in {logs / 'driver.log'}; every component's log in {logs}/ (or rerun "
+                                "with --verbose)"]))
+
+
+def logged_errors(logs: Path, head: str) -> list[tuple[Path, str]]:
+    """(component log, the last exception line in it other than the one already shown) for each log that has one:
+    the root cause (vLLM's engine core, for one, logs it and raises something vaguer)."""
+    found = []
+    for path in sorted(p for p in logs.glob("*.log") if p.name != "driver.log"):
+        hits = [m.group(1) for m in re.finditer(r"^(?:.*\] )?(\w*(?:Error|Exception): .{0,300})",
+                                                path.read_text(errors="replace"), re.M) if m.group(1) not in head]
+        found += [(path, hits[-1])] if hits else []
+    return found
+
+
+def rl_main(cfg: Config):
+    import ray
     rows = load_rows(cfg.data.path, cfg.data) if not cfg.offline_samples else []
     data_id = data_fingerprint(rows)
     ckpt = setup_run_dir(cfg, data_id)
@@ -4315,7 +4488,7 @@ def main(argv=None):
     offline = offline_batches(cfg.offline_samples) if cfg.offline_samples else None
     eval_rows = load_rows(cfg.data.eval_path, cfg.data) if cfg.data.eval_path and manager else None
     print(f"[molt] {cfg.run_dir}: {'resumed at step ' + str(step) if ckpt else 'fresh run'}, "
-          f"start-up {time.time() - t_start:.1f}s", file=sys.stderr)
+          f"start-up {time.time() - t_start:.1f}s{log_note(cfg)}", file=sys.stderr)
     log, sync, recent = Logger(cfg, cfg.run_dir, step), WeightSync(cfg, models["policy"], engines), []
     while step < cfg.steps:
         t0 = time.perf_counter()
@@ -4349,6 +4522,258 @@ def main(argv=None):
     log.close()
     sync.close()
     print(f"[molt] done: {step} steps in {time.time() - t_start:.0f}s; run directory {cfg.run_dir}", file=sys.stderr)
+
+
+# ======================================================================================================
+# 13. Viewer: python molt.py view RUN_DIR writes RUN_DIR/view.html, one self-contained page (no server, no network):
+# the run's curves as inline SVG, and every dumped sample token by token, coloured by version, log-probs, the
+# trainer's view or the drift a text-based framework would have. Each step's dump is embedded gzip + base64 and
+# decoded by the browser only when that step is opened, so a 1,000-sample run opens at once.
+# ======================================================================================================
+
+VIEW_PLOTS = (("reward/mean", "reward"), ("rollout/staleness_max", "max staleness"),
+              ("rollout/logprob_gap", "log-prob gap"), ("tokens/s", "tokens / s"), ("is/masked_frac", "IS masked"))
+VIEW_CONFIG = ("model", "agent", "algo.estimator", "algo.loss", "train.async_queue_size", "rollout.batch_size",
+               "rollout.n_samples_per_prompt", "train.lr", "rollout.temperature", "steps")
+
+
+def view_main(argv: list[str]):
+    parser = argparse.ArgumentParser(prog="molt.py view", description="Write a run's per-token trace viewer: one "
+                                     "self-contained HTML file (RUN_DIR/view.html unless --out).")
+    parser.add_argument("run_dir")
+    parser.add_argument("--out", default="", help="where to write the page")
+    args = parser.parse_args(argv)
+    root, t0 = Path(args.run_dir), time.perf_counter()
+    if not (root / "metrics.jsonl").exists() and not (root / "samples").is_dir():
+        raise UsageError(f"{root}: no metrics.jsonl or samples/ here: not a Molt run directory")
+    out = Path(args.out or root / "view.html")
+    page, n = view_page(root)
+    out.write_text(page)
+    print(f"[molt] wrote {out}: {n} samples, {out.stat().st_size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s"
+          + ("" if n else " (no sample dumps: run with --dump-samples to see tokens)"), file=sys.stderr)
+
+
+def view_page(root: Path) -> tuple[str, int]:
+    """-> (the HTML, samples embedded)."""
+    import gzip
+    config = json.loads((root / "config.json").read_text()) if (root / "config.json").exists() else {}
+    metrics = [json.loads(x) for x in open(root / "metrics.jsonl")] if (root / "metrics.jsonl").exists() else []
+    steps, blobs, ids, n = [], [], set(), 0
+    for path in sorted((root / "samples").glob("step_*.jsonl")):
+        rows = [view_row(json.loads(line)) for line in open(path) if line.strip()]
+        ids.update(t for r in rows for t in r["tokens"])
+        steps.append(int(path.stem[5:]))
+        packed = base64.b64encode(gzip.compress(json.dumps(rows, separators=(",", ":")).encode(), 6)).decode()
+        blobs.append(f'<script type="application/octet-stream" id="step-{steps[-1]}">{packed}</script>')
+        n += len(rows)
+    vocab, image_token = view_vocab(config.get("model", ""), ids)
+    flat = flat_config(config)
+    head = {"steps": steps, "vocab": vocab, "image_token": image_token, "plots": [label for _, label in VIEW_PLOTS],
+            "config": {k: flat[k] for k in VIEW_CONFIG if k in flat}, "run": str(root)}
+    data = json.dumps(head, separators=(",", ":")).replace("</", "<\\/")
+    return VIEW_PAGE.replace("@PLOTS@", view_plots(metrics)).replace("@DATA@", data).replace(
+        "@BLOBS@", "\n".join(blobs)), n
+
+
+def view_row(d: dict) -> dict:
+    """A dumped Sample, log-probs rounded (the page shows 3 decimals), temperatures only where they vary."""
+    d["logprobs"] = [round(x, 4) for x in d["logprobs"]]
+    if len({t for t in d.get("temperatures") or []}) <= 1:
+        d.pop("temperatures", None)
+    return d
+
+
+def view_vocab(model: str, ids: set) -> tuple[dict, int | None]:
+    """Each token id's text, and the image placeholder id; empty when the model's tokenizer is not at hand (the page
+    then shows ids)."""
+    try:
+        from transformers import AutoConfig, AutoTokenizer
+        path = resolve_model(model)
+        tok, hf = AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - a viewer without token texts still shows everything else
+        print(f"[molt] view: no tokenizer for {model!r} ({type(e).__name__}: {e}); showing token ids", file=sys.stderr)
+        return {}, None
+    return {t: tok.decode([t]) for t in sorted(ids)}, getattr(hf, "image_token_id", None)
+
+
+def view_plots(metrics: list[dict]) -> str:
+    """Small inline SVG line plots, one per VIEW_PLOTS entry, over steps."""
+    for m in metrics:
+        if "tokens/generated" in m and m.get("time/step"):
+            m["tokens/s"] = m["tokens/generated"] / m["time/step"]
+    out = []
+    for key, label in VIEW_PLOTS:
+        pts = [(m["step"], m[key]) for m in metrics if isinstance(m.get(key), (int, float))]
+        if not pts:
+            continue
+        (x0, x1), (y0, y1) = [(min(v), max(v)) for v in zip(*pts)]
+        sx, sy = 220 / max(x1 - x0, 1), 60 / (y1 - y0 or 1)
+        line = " ".join(f"{10 + (x - x0) * sx:.1f},{70 - (y - y0) * sy:.1f}" for x, y in pts)
+        out.append(f'<figure class="plot" data-key="{key}"><svg width="240" height="80"><polyline points="{line}"/>'
+                   f'</svg><figcaption>{label}: {pts[-1][1]:.4g} (range {y0:.3g} to {y1:.3g})</figcaption></figure>')
+    return "".join(out)
+
+
+VIEW_PAGE = r"""<!doctype html>
+<html><head><meta charset="utf-8"><title>molt run</title>
+<style>
+body{font:13px system-ui,sans-serif;margin:16px;color:#222}
+h1{font-size:16px;margin:0 0 8px}pre{white-space:pre-wrap}
+table{border-collapse:collapse}td,th{padding:2px 8px;border-bottom:1px solid #eee;text-align:left}
+th{cursor:pointer;background:#f6f6f6}tr.sample:hover{background:#eef4ff;cursor:pointer}tr.open{background:#dde8ff}
+.plots{display:flex;flex-wrap:wrap;gap:8px}.plot{margin:0}.plot svg{background:#fafafa;border:1px solid #ddd}
+.plot polyline{fill:none;stroke:#3366cc;stroke-width:1.5}.plot figcaption{font-size:11px;color:#555}
+.controls{margin:12px 0;display:flex;gap:12px;align-items:center}
+#list{max-height:320px;overflow:auto;border:1px solid #ddd}
+.tokens{font:12px ui-monospace,monospace;white-space:pre-wrap;line-height:1.7;border:1px solid #ddd;padding:8px}
+.tok{border-radius:2px}.ctx{color:#777}.trained{color:#000;border-bottom:2px solid #3366cc}
+.img-pad{display:none}.thumb{height:48px;vertical-align:middle;border:1px solid #999}
+.segment-boundary{margin:10px 0;padding:2px 6px;background:#fff3cd;border-left:4px solid #e0a800;font-size:12px}
+.drift{display:grid;grid-template-columns:1fr 1fr;gap:8px}.drift .tokens{max-height:240px;overflow:auto}
+.differ{background:#ffd0d0}.legend{font-size:11px;color:#555}
+</style></head><body>
+<h1>molt run <span id="run"></span></h1>
+<table id="config"></table>
+<div class="plots">@PLOTS@</div>
+<div class="controls">
+ <label>step <select id="step"></select></label>
+ <label>filter <input id="filter" size="40" placeholder="reward>0.5 finish=length stale>=2 segments>1"></label>
+ <label>colour by <select id="channel">
+  <option value="version">policy version</option><option value="behaviour">behaviour log-prob</option>
+  <option value="trainer">trainer log-prob</option><option value="gap">trainer - behaviour</option>
+  <option value="is_weight">IS weight</option><option value="advantage">advantage</option></select></label>
+ <span class="legend">underlined: trained tokens; grey: prompt / tool / observation tokens; hover a token for all
+ channels</span>
+</div>
+<div id="list"></div>
+<div id="detail"></div>
+@BLOBS@
+<script type="application/json" id="data">@DATA@</script>
+<script>
+"use strict";
+const D = JSON.parse(document.getElementById("data").textContent);
+const $ = id => document.getElementById(id), cache = {};
+let rows = [], sortKey = "index", sortDir = 1, opened = null, stepNo = null;
+const COLS = [["index", "#"], ["rollout", "rollout"], ["group", "group"], ["segment", "seg"], ["reward", "reward"],
+  ["score", "score"], ["length", "tokens"], ["segments", "segments"], ["finish", "finish"], ["stale", "max staleness"],
+  ["drift", "drift"]];
+
+function text(id) { return D.vocab[id] !== undefined ? D.vocab[id] : "[" + id + "]"; }
+async function loadStep(step) {
+  if (cache[step]) return cache[step];
+  const b64 = $("step-" + step).textContent, bytes = Uint8Array.from(atob(b64), c => c.charCodeAt(0));
+  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
+  return cache[step] = JSON.parse(await new Response(stream).text());
+}
+function summary(s, i, all) {
+  const trained = s.versions.filter((v, t) => s.mask[t]);
+  return {index: i, rollout: s.rollout_id.slice(0, 8), group: s.group_id.slice(0, 8), segment: s.segment,
+    reward: s.reward, score: s.score, length: s.tokens.length, finish: s.finish_reason,
+    segments: all.filter(x => x.rollout_id === s.rollout_id).length,
+    stale: trained.length ? stepNo - 1 - Math.min(...trained) : 0,
+    drift: s.drift && s.drift.cause ? s.drift.cause.join(" ") : ""};
+}
+function passes(r, filter) {
+  return filter.trim().split(/\s+/).filter(Boolean).every(cond => {
+    const m = cond.match(/^(\w+)(>=|<=|!=|=|>|<)(.*)$/);
+    if (!m || !(m[1] in r)) return true;
+    const a = r[m[1]], b = isNaN(+m[3]) ? m[3] : +m[3];
+    return {">=": a >= b, "<=": a <= b, "!=": a != b, "=": a == b, ">": a > b, "<": a < b}[m[2]];
+  });
+}
+function renderList(samples) {
+  const shown = rows.filter(r => passes(r, $("filter").value))
+    .sort((a, b) => (a[sortKey] > b[sortKey] ? 1 : a[sortKey] < b[sortKey] ? -1 : 0) * sortDir);
+  const head = "<tr>" + COLS.map(([k, l]) => `<th data-key="${k}">${l}</th>`).join("") + "</tr>";
+  const body = shown.map(r => `<tr class="sample${r.index === opened ? " open" : ""}" data-index="${r.index}"` +
+    ` data-rollout="${samples[r.index].rollout_id}">` + COLS.map(([k]) => `<td>${fmt(r[k])}</td>`).join("") +
+    "</tr>").join("");
+  $("list").innerHTML = `<table id="samples">${head}${body}</table>`;
+  $("list").querySelectorAll("th").forEach(th => th.onclick = () => {
+    sortDir = sortKey === th.dataset.key ? -sortDir : 1; sortKey = th.dataset.key; renderList(samples); });
+  $("list").querySelectorAll("tr.sample").forEach(tr => tr.onclick = () => openSample(samples, +tr.dataset.index));
+}
+function fmt(x) { return typeof x === "number" && !Number.isInteger(x) ? x.toFixed(3) : x === null ? "" : x; }
+function channels(s, t) {
+  const tr = s.trainer || {}, val = k => tr[k] ? tr[k][t] : undefined, lp = s.mask[t] ? s.logprobs[t] : undefined;
+  const trl = s.mask[t] ? val("trainer_logprobs") : undefined;
+  return {version: s.mask[t] ? s.versions[t] : undefined, behaviour: lp, trainer: trl,
+    gap: trl !== undefined && lp !== undefined ? trl - lp : undefined,
+    is_weight: s.mask[t] ? val("is_weight") : undefined, is_masked: s.mask[t] ? val("is_masked") : undefined,
+    advantage: s.mask[t] ? val("advantages") : undefined};
+}
+function colour(ch, v) {
+  if (v === undefined) return "";
+  const c = x => Math.max(0, Math.min(1, x));
+  if (ch === "version") { const age = c((stepNo - 1 - v) / 4); return `hsl(${210 - 210 * age},70%,85%)`; }
+  if (ch === "behaviour" || ch === "trainer") return `hsl(0,80%,${100 - 45 * c(-v / 5)}%)`;
+  if (ch === "gap") return `hsl(${v > 0 ? 120 : 0},80%,${100 - 45 * c(Math.abs(v) * 5)}%)`;
+  if (ch === "is_weight") return `hsl(${v > 1 ? 0 : 220},80%,${100 - 45 * c(Math.abs(Math.log(v || 1e-9)) * 2)}%)`;
+  return `hsl(${v > 0 ? 120 : 0},70%,${100 - 45 * c(Math.abs(v))}%)`;
+}
+function tokenSpans(s) {
+  const ch = $("channel").value, out = [];
+  let img = 0;
+  for (let t = 0; t < s.tokens.length; t++) {
+    const id = s.tokens[t], all = channels(s, t), cls = s.mask[t] ? "trained" : "ctx";
+    const tip = `id ${id} ${JSON.stringify(text(id))}` + Object.entries(all).filter(([, v]) => v !== undefined)
+      .map(([k, v]) => `\n${k}: ${typeof v === "number" ? +v.toFixed(4) : v}`).join("");
+    const isImg = D.image_token !== null && id === D.image_token, first = isImg && s.tokens[t - 1] !== id;
+    const inner = first && s.thumbnails && s.thumbnails[img] ? `<img class="thumb" src="${s.thumbnails[img++]}">`
+      : esc(text(id));
+    out.push(`<span class="tok ${cls}${isImg && !first ? " img-pad" : ""}" data-t="${t}" data-id="${id}" ` +
+      `data-m="${s.mask[t]}" data-v="${s.versions[t]}" style="background:${colour(ch, all[ch])}" ` +
+      `title="${esc(tip)}">${inner}</span>`);
+  }
+  return out.join("");
+}
+function esc(x) { return String(x).replace(/[&<>"]/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"})[c]); }
+function driftPanel(s) {
+  const d = s.drift;
+  if (!d || d.first === null || d.first === undefined || !d.retokenized) return "";
+  const lo = Math.max(0, d.first - 8), side = (ids, other) => ids.slice(lo, d.first + 60).map((id, j) =>
+    `<span class="${other[lo + j] === id ? "" : "differ"}" title="id ${id}">${esc(text(id))}</span>`).join("");
+  return `<h3>Drift: ${d.cause.join(", ")} (first differing token ${d.first})</h3><div class="drift">` +
+    `<div><b>recorded (token-exact)</b><div class="tokens" id="drift-ours">${side(s.tokens, d.retokenized)}</div></div>` +
+    `<div><b>re-rendered and re-tokenized</b><div class="tokens" id="drift-theirs">${side(d.retokenized, s.tokens)}` +
+    `</div></div></div>`;
+}
+function openSample(samples, index) {
+  opened = index;
+  const s = samples[index], episode = samples.map((x, i) => [x, i]).filter(([x]) => x.rollout_id === s.rollout_id)
+    .sort((a, b) => a[0].segment - b[0].segment);
+  const parts = episode.map(([x, i], k) => (k ? `<div class="segment-boundary" data-segment="${x.segment}">segment ` +
+    `${x.segment}: the conversation was rewritten here (compaction or an edited turn), a new Sample starts</div>` : "") +
+    `<div class="tokens sample-tokens${i === index ? " selected" : ""}" data-index="${i}">${tokenSpans(x)}</div>` +
+    driftPanel(x));
+  $("detail").innerHTML = `<h2>sample ${index}: rollout ${s.rollout_id}, group ${s.group_id}, reward ${fmt(s.reward)}` +
+    `, ${episode.length} segment(s)</h2><pre>${esc(JSON.stringify(s.info))}</pre>` + parts.join("");
+  document.querySelectorAll("tr.sample").forEach(tr => tr.classList.toggle("open", +tr.dataset.index === index));
+  history.replaceState(null, "", `#step=${stepNo}&sample=${index}`);
+}
+async function showStep(step, index) {
+  stepNo = step; opened = null;
+  const samples = await loadStep(step);
+  rows = samples.map((s, i, all) => summary(s, i, all));
+  renderList(samples);
+  $("detail").innerHTML = "";
+  $("filter").oninput = () => renderList(samples);
+  $("channel").onchange = () => opened !== null && openSample(samples, opened);
+  if (index !== undefined && samples[index]) openSample(samples, index);
+}
+async function start() {
+  $("run").textContent = D.run;
+  $("config").innerHTML = Object.entries(D.config).map(([k, v]) => `<tr><th>${k}</th><td>${esc(v)}</td></tr>`).join("");
+  $("step").innerHTML = D.steps.map(s => `<option value="${s}">${s}</option>`).join("");
+  $("step").onchange = () => showStep(+$("step").value);
+  const want = Object.fromEntries(location.hash.slice(1).split("&").filter(Boolean).map(kv => kv.split("=")));
+  const step = want.step && D.steps.includes(+want.step) ? +want.step : D.steps[D.steps.length - 1];
+  if (step !== undefined) { $("step").value = step; await showStep(step, want.sample === undefined ? undefined : +want.sample); }
+  document.body.dataset.ready = performance.now().toFixed(0);
+}
+start();
+</script></body></html>
+"""
 
 
 # ======================================================================================================

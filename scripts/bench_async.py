@@ -21,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run(name, args, extra):
     out = tempfile.mkdtemp(prefix=f"molt-bench-{name}-")
     cmd = [sys.executable, os.path.join(ROOT, "molt.py"), "--agent", "agents/copy.py", "--run-dir", out,
-           "--steps", str(args.steps), "--rollout.max-new-tokens", str(args.tokens), "--data.max-len", "256", *extra]
+           "--steps", str(args.steps), "--rollout.max-new-tokens", str(args.tokens), "--data.max-len", "256",
+           "--rollout.n-samples-per-prompt", "8", *extra]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][3:]  # skip warm-up steps
     med = {k: statistics.median(r[k] for r in rows) for k in ("time/step", "time/rollout_wait", "time/train",

@@ -63,7 +63,8 @@ def molt_run(max_steps: int, seed: int = 0):
     out = tempfile.mkdtemp(prefix="molt-bench-learn-")
     t = time.perf_counter()
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "molt.py"), "--agent", "agents/copy.py", "--run-dir",
-                           out, "--steps", str(max_steps), "--target-reward", "0.9", "--seed", str(seed)], cwd=ROOT,
+                           out, "--steps", str(max_steps), "--target-reward", "0.9", "--seed", str(seed),
+                           "--rollout.n-samples-per-prompt", "8"], cwd=ROOT,
                           capture_output=True, text=True, check=True)
     total = time.perf_counter() - t
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]

@@ -1,7 +1,10 @@
 """Shared expensive fixtures: tiny models (built once, cached), one Ray cluster, one engine per model kind."""
 import asyncio
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -92,3 +95,15 @@ def tiny_trainer(ray_cluster, tiny):
     yield cfg, group
     for w in group.workers:
         ray_cluster.kill(w)
+
+
+@pytest.fixture(scope="session")
+def geo3k_run(tmp_path_factory):
+    """A 2-step geo3k run (tiny-vl, tool turns with images) with its samples dumped: (run dir, completed process)."""
+    run_dir = tmp_path_factory.mktemp("geo3k") / "run"
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "molt.py"), "--agent", "agents/geo3k.py", "--run-dir", run_dir,
+                           "--steps", "2", "--dump-samples", "--rollout.max-new-tokens", "32"], cwd=root,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir, proc

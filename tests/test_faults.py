@@ -154,3 +154,19 @@ def test_a_stalled_rollout_ends_the_run_with_a_message(tmp_path):
                 ok=False, timeout=300)
     assert "no trainable prompt group in 8 s" in proc.stderr and "no pool progress" in proc.stderr
     assert "agents are stuck outside the model" in proc.stderr
+
+
+@pytest.mark.parametrize("verbose", [False, True], ids=["default", "verbose"])
+def test_an_engine_that_fails_to_start_prints_its_root_cause_and_where_the_logs_are(tmp_path, verbose):
+    run = tmp_path / "run"
+    proc = molt("--agent", ROOT / "agents/copy.py", "--run-dir", run, "--steps", 2, "--engine.kv-cache-gb", 5000,
+                *(["--verbose"] if verbose else []), ok=False, timeout=300)
+    if verbose:  # the logs stream as they come, and the traceback ends the run
+        assert "(EngineActor pid=" in proc.stderr and "Traceback" in proc.stderr
+        return
+    lines = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert lines[0].startswith("molt: error in EngineActor.__init__") and len(lines) <= 5, proc.stderr[-3000:]
+    engine_log = run / "logs" / "engine-0.log"
+    # vLLM's engine core raises a vague error; the root cause it logged is on the console, with its log file
+    assert any(str(engine_log) in x and "5000.0 GiB" in x for x in lines), proc.stderr
+    assert "Traceback" in (run / "logs" / "driver.log").read_text() and "Traceback" not in proc.stderr

@@ -122,12 +122,8 @@ def test_geo3k_tool_turns_carry_images_and_mask_tool_output(vl_engine, tiny_vl, 
 
 
 @pytest.mark.slow
-def test_geo3k_runs_end_to_end(tmp_path):
-    run_dir = tmp_path / "geo3k"
-    proc = subprocess.run([sys.executable, str(ROOT / "molt.py"), "--agent", "agents/geo3k.py", "--run-dir", run_dir,
-                           "--steps", "2", "--dump-samples", "--rollout.max-new-tokens", "32"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_geo3k_runs_end_to_end(geo3k_run):
+    run_dir, _ = geo3k_run
     samples = [json.loads(line) for line in open(run_dir / "samples" / "step_000002.jsonl")]
     assert samples and all(s["n_images"] >= 1 for s in samples)
     assert (run_dir / "checkpoints" / "step_000002" / "model.safetensors").exists()
