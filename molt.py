@@ -1767,6 +1767,7 @@ def decode_anthropic(body: dict) -> Turn:
                 template={"enable_thinking": thinking["type"] == "enabled"} if thinking else {},
                 sampling={"max_tokens": body["max_tokens"], "temperature": _number(body, "temperature", 0, 1),
                           "top_p": _number(body, "top_p", 0, 1), "top_k": _number(body, "top_k", -1, 1 << 20, True),
+                          "seed": _number(body, "seed", -(1 << 63), 1 << 63, True),  # not Anthropic's; vLLM's too
                           "stop": _stops(body.get("stop_sequences"), "stop_sequences", one=False)})
 
 
@@ -1969,14 +1970,13 @@ def drift_report(codec: Codec, s: Session, segments: list[Sample]) -> dict:
 
 def drift_cause(codec: Codec, msgs: list[dict], seg: Sample, retok: list[int], k: int, s: Session) -> str:
     """Why the segment and the re-tokenization part at token k (drift_report): the same text split differently, or
-    a special token the policy sampled (the reply's text drops it) -> boundary; else the message the re-rendered text
-    was in decides."""
+    the same once special tokens are dropped (the policy sampled one; its reply's text has none) -> boundary; else the
+    message the re-rendered text was in decides."""
     decode, tokens = codec.tokenizer.decode, seg.tokens
-    ours, theirs = decode(tokens[k:], skip_special_tokens=False), decode(retok[k:], skip_special_tokens=False)
-    if theirs.startswith(ours) or ours.startswith(theirs):
-        return "boundary"
-    if seg.mask[k] and not codec.decode(tokens[k:k + 1]):
-        return "boundary"
+    for skip in (False, True):
+        ours, theirs = decode(tokens[k:], skip_special_tokens=skip), decode(retok[k:], skip_special_tokens=skip)
+        if theirs.startswith(ours) or ours.startswith(theirs):
+            return "boundary"
     at = len(decode(retok[:k], skip_special_tokens=False))
     for i in range(len(msgs)):  # the message the re-rendered text was in when it parted
         if len(codec.render(msgs[:i + 1], s.last_tools, generation=False, **s.template)) > at:

@@ -5,12 +5,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 flavour="${1:-cpu}"
 # The sandbox for model-written code (rewards/sandbox.py) runs it under bubblewrap; without bwrap it refuses to run.
-if ! command -v bwrap >/dev/null 2>&1; then
+# The viewer's tests render its page in headless Chromium.
+missing=""
+command -v bwrap >/dev/null 2>&1 || missing="$missing bubblewrap"
+command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing="$missing chromium"
+if [ -n "$missing" ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
   else
-    echo "note: bubblewrap (bwrap) is missing: install it (e.g. sudo apt-get install bubblewrap), or the code sandbox" \
-         "and the recipes that use it (code, geo3k) refuse to run" >&2
+    echo "note: missing system packages:$missing (e.g. sudo apt-get install$missing): without bubblewrap the code" \
+         "sandbox and the recipes that use it (code, geo3k) refuse to run; without chromium the viewer's tests fail" >&2
   fi
 fi
 python3 -m venv .venv
