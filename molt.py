@@ -1941,8 +1941,9 @@ def drift_report(codec: Codec, s: Session, segments: list[Sample]) -> dict:
     template and tokenized, against the token-exact segments. Causes: a compacted episode (earlier segments exist
     only here), and, at the first token where the last segment and the re-tokenization part, the same text split into
     other tokens or a sampled special token the text drops (boundary), other text inside an assistant turn with tool
-    calls (tool_call) or elsewhere: the template re-rendering an earlier turn (template). -> {"metrics": per-episode numbers for Result.info, "cause",
-    "first" (the first differing token), "retokenized" (on a mismatch)}."""
+    calls (tool_call) or elsewhere: the template re-rendering an earlier turn (template).
+    -> {"metrics": per-episode numbers for Result.info, "cause", "first" (the first differing token), "retokenized"
+    (on a mismatch)}."""
     reply, seg = s.choices[0]
     msgs = [*s.last_messages, reply_message(reply)]
     try:
@@ -4727,14 +4728,17 @@ function tokenSpans(s) {
   }
   return out.join("");
 }
-function esc(x) { return String(x).replace(/[&<>"]/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"})[c]); }
+function esc(x) {
+  return String(x).replace(/[&<>"]/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"})[c]);
+}
 function driftPanel(s) {
   const d = s.drift;
   if (!d || d.first === null || d.first === undefined || !d.retokenized) return "";
   const lo = Math.max(0, d.first - 8), side = (ids, other) => ids.slice(lo, d.first + 60).map((id, j) =>
     `<span class="${other[lo + j] === id ? "" : "differ"}" title="id ${id}">${esc(text(id))}</span>`).join("");
   return `<h3>Drift: ${d.cause.join(", ")} (first differing token ${d.first})</h3><div class="drift">` +
-    `<div><b>recorded (token-exact)</b><div class="tokens" id="drift-ours">${side(s.tokens, d.retokenized)}</div></div>` +
+    `<div><b>recorded (token-exact)</b><div class="tokens" id="drift-ours">${side(s.tokens, d.retokenized)}` +
+    `</div></div>` +
     `<div><b>re-rendered and re-tokenized</b><div class="tokens" id="drift-theirs">${side(d.retokenized, s.tokens)}` +
     `</div></div></div>`;
 }
@@ -4768,7 +4772,10 @@ async function start() {
   $("step").onchange = () => showStep(+$("step").value);
   const want = Object.fromEntries(location.hash.slice(1).split("&").filter(Boolean).map(kv => kv.split("=")));
   const step = want.step && D.steps.includes(+want.step) ? +want.step : D.steps[D.steps.length - 1];
-  if (step !== undefined) { $("step").value = step; await showStep(step, want.sample === undefined ? undefined : +want.sample); }
+  if (step !== undefined) {
+    $("step").value = step;
+    await showStep(step, want.sample === undefined ? undefined : +want.sample);
+  }
   document.body.dataset.ready = performance.now().toFixed(0);
 }
 start();
