@@ -4,6 +4,8 @@
     python molt.py --agent agents/copy.py                  # a tiny model learns a task on a laptop CPU
     python molt.py --agent agents/geo3k.py                 # VLM + Python tool, multi-turn (offline tiny model)
     python molt.py --agent agents/math.py --model Qwen/Qwen3-4B --data my.jsonl --engine.num-engines 2
+    python molt.py --mode sft --data chat.jsonl            # supervised warm start, same checkpoints
+    python molt.py view runs/X                             # runs/X/view.html: every dumped token, in a browser
     python molt.py --help                                  # every flag, grouped, with defaults
 
 The agent contract (user code lives in a module loaded by path; the reward is plain Python):
@@ -21,7 +23,8 @@ The agent contract (user code lives in a module loaded by path; the reward is pl
 Data flow, one section each: 1 config -> 2 records -> 3 agent contract -> 4 engines (vLLM in Ray actors) ->
 5 router -> 6 chat codec and loopback server (OpenAI + Anthropic wires) -> 7 rollout (agent pools, streaming pool,
 queue) -> 8 algorithms (advantages, losses, off-policy correction) -> 9 model actors (FSDP2 policy, reference,
-critic) -> 10 MoE routing replay -> 11 weight sync -> 12 main loop. 13 builds the offline tiny models tests use.
+critic) -> 10 MoE routing replay -> 11 weight sync -> 12 main loop (and SFT) -> 13 the run viewer. The last block
+builds the offline tiny models tests use.
 
 Three invariants hold end to end. Token identity: the sampled ids are the trajectory; text is never
 re-tokenized to rebuild what the model produced. Policy versions: every sampled token carries its behaviour
@@ -815,12 +818,15 @@ class ChatAgentRunner(Runner):
         try:
             result = await self.agent_cls().run(ctx)
         finally:
-            segments = pool.server.close(ctx.session_id)
+            session = pool.server.close(ctx.session_id)
         check_result(result, f"{self.agent_cls.__name__}.run")
+        segments = [seg for seg in session.segments if any(seg.mask)]
         samples = [finish_sample(s, first_scalar(result.reward), result) for s in segments]
-        drift = next((s.drift["metrics"] for s in samples if s.drift), {})
-        for s in samples:  # per episode, like the agent's own info (step_metrics averages them over episodes)
-            s.info.update(drift)
+        last = session.choices[0][1] if session.choices else None
+        if any(s is last for s in samples):  # off the event loop: it renders and tokenizes the whole conversation
+            last.drift = await asyncio.to_thread(drift_report, pool.codec, session, segments, pool.cfg.dump_samples)
+            for s in samples:  # per episode, like the agent's own info (step_metrics averages them over episodes)
+                s.info.update(last.drift["metrics"])
         return samples
 
 
@@ -1936,37 +1942,46 @@ class Session:
 DRIFT_CAUSES = ("template", "tool_call", "boundary", "compaction")
 
 
-def drift_report(codec: Codec, s: Session, segments: list[Sample]) -> dict:
+def drift_report(codec: Codec, s: Session, segments: list[Sample], keep: bool = True) -> dict:
     """What a text-based framework would have trained on: the final conversation re-rendered through the chat
     template and tokenized, against the token-exact segments. Causes: a compacted episode (earlier segments exist
     only here), and, at the first token where the last segment and the re-tokenization part, the same text split into
     other tokens or a sampled special token the text drops (boundary), other text inside an assistant turn with tool
     calls (tool_call) or elsewhere: the template re-rendering an earlier turn (template).
-    -> {"metrics": per-episode numbers for Result.info, "cause", "first" (the first differing token), "retokenized"
-    (on a mismatch)}."""
+    -> {"metrics": per-episode numbers for Result.info, "cause", "first" (the first differing token), and with keep
+    (--dump-samples) "retokenized" on a mismatch}. A template that cannot render the conversation back (some raise on
+    a prefix without a user turn) costs the comparison, counted in drift/unrendered, never the episode."""
     reply, seg = s.choices[0]
     msgs = [*s.last_messages, reply_message(reply)]
     try:
         text = codec.render(msgs, s.last_tools, generation=False, **s.template)
         retok = codec.encode(text, seg.images or None)[0]
-    except Exception as e:  # a template that cannot render the reply back: no comparison, counted
+        first = next((k for k, (a, b) in enumerate(zip(seg.tokens, retok)) if a != b), None)
+        if first is None and len(retok) < len(seg.tokens):
+            first = len(retok)
+        cause = None if first is None else drift_cause(codec, msgs, seg, retok, first, s)
+    except Exception as e:  # noqa: BLE001 - any template error: no comparison for this episode
         return {"metrics": {"drift/unrendered": 1.0}, "error": f"{type(e).__name__}: {e}"}
     earlier = sum(len(x.tokens) for x in segments if x is not seg)
-    first = next((k for k, (a, b) in enumerate(zip(seg.tokens, retok)) if a != b), None)
-    if first is None and len(retok) < len(seg.tokens):
-        first = len(retok)
-    causes = {"compaction"} if earlier else set()
-    changed = earlier
-    if first is not None:
-        import difflib
-        matched = difflib.SequenceMatcher(None, seg.tokens, retok, autojunk=False).get_matching_blocks()
-        changed += len(seg.tokens) - sum(b.size for b in matched)
-        causes.add(drift_cause(codec, msgs, seg, retok, first, s))
-    metrics = {"drift/retokenize_mismatch_frac": float(bool(causes)),
-               "drift/tokens_changed_frac": changed / (earlier + len(seg.tokens)),
+    causes = ({"compaction"} if earlier else set()) | ({cause} if cause else set())
+    metrics = {"drift/unrendered": 0.0, "drift/retokenize_mismatch_frac": float(bool(causes)),
+               "drift/tokens_changed_frac": (earlier + changed_tokens(seg.tokens, retok, first)) /
+                                            (earlier + len(seg.tokens)),
                **{f"drift/cause/{c}": float(c in causes) for c in DRIFT_CAUSES}}
     return {"metrics": metrics, "cause": sorted(causes), "first": first,
-            **({"retokenized": retok} if first is not None else {})}
+            **({"retokenized": retok} if keep and first is not None else {})}
+
+
+def changed_tokens(ours: list[int], theirs: list[int], first: int | None, exact_up_to: int = 16384) -> int:
+    """Tokens of ours that theirs does not hold in order (difflib's matching blocks); past exact_up_to tokens, where
+    that costs seconds, everything from the first difference on (an upper bound)."""
+    import difflib
+    if first is None:
+        return 0
+    if max(len(ours), len(theirs)) > exact_up_to:
+        return len(ours) - first
+    matched = difflib.SequenceMatcher(None, ours, theirs, autojunk=False).get_matching_blocks()
+    return len(ours) - sum(b.size for b in matched)
 
 
 def drift_cause(codec: Codec, msgs: list[dict], seg: Sample, retok: list[int], k: int, s: Session) -> str:
@@ -2045,13 +2060,8 @@ class LoopbackServer:
                            judge_model=judge.model or self.model_name,
                            judge_api_key=os.environ.get(judge.api_key_env, "") if judge.url else self.key)
 
-    def close(self, sid: str) -> list[Sample]:
-        """The episode's trainable segments; the one its last reply extended carries the drift report."""
-        s = self.sessions.pop(sid)
-        segments = [seg for seg in s.segments if any(seg.mask)]
-        if s.choices and s.choices[0][1] in segments:
-            s.choices[0][1].drift = drift_report(self.codec, s, segments)
-        return segments
+    def close(self, sid: str) -> Session:
+        return self.sessions.pop(sid)
 
     def authorize(self, request) -> Session:
         """The request's session; without a session id in the path, a throwaway session (nothing is recorded)."""
@@ -2512,7 +2522,7 @@ class AgentPool:
         failures: dict[str, int] = {}
         results = await asyncio.gather(*[self.run_episode(ep, failures) for ep in eps])
         if len(self.router.dead) == len(self.router.engines):
-            raise RuntimeError("every engine this pool routes to is dead (see the engine logs above)")
+            raise RuntimeError("every engine this pool routes to is dead (see the engine logs: RUN_DIR/logs/engine-*.log)")
         samples = [s for r in results for s in r]
         for s in samples:
             s.thumbnails = [thumbnail(im) for im in s.images] if self.cfg.dump_samples else []
@@ -2521,13 +2531,7 @@ class AgentPool:
         return GroupOut(samples, failures, self.router.failures)
 
     def row_images(self, row: dict) -> list:
-        """A data row's images, decoded within the caps; paths only under the data set's own directory."""
-        d, refs = self.cfg.data, row.get(self.cfg.data.image_key) or []
-        if refs and self.codec.processor is None:
-            raise ValueError("the row has images but the model is text-only")
-        roots = (d.media_root,) if d.media_root else \
-            tuple(os.path.dirname(os.path.abspath(p)) for p in (d.path, d.eval_path) if p)
-        return [load_image(x, roots, d.image_max_mb, d.image_max_pixels) for x in refs]
+        return row_images(self.cfg.data, row, self.codec)
 
     async def run_episode(self, ep: Episode, failures: dict) -> list[Sample]:
         kind = None
@@ -4049,7 +4053,7 @@ class WeightSync:
             print(f"[sync] {lost} engine(s) left the run during the update (their log says why); "
                   f"{len(alive)} remain", file=sys.stderr)
         if not alive:
-            raise RuntimeError("every engine left the run during a weight update (see the engine logs above)")
+            raise RuntimeError("every engine left the run during a weight update (see the engine logs: RUN_DIR/logs/engine-*.log)")
         failed = [r for r in results if r["failed"]]
         for r in failed:
             print(f"[sync] engine {r['engine']} kept version {r['version']}: {r['failed']}", file=sys.stderr)
@@ -4271,9 +4275,11 @@ def step_metrics(samples: list[Sample], version: int) -> dict:
 def dump_samples(run_dir: str, step: int, samples: list[Sample]):
     out = Path(run_dir) / "samples"
     out.mkdir(exist_ok=True)
-    with open(out / f"step_{step:06d}.jsonl", "w") as f:
+    tmp = out / f".step_{step:06d}.jsonl.tmp"  # renamed when whole: a viewer or reader never sees half a step
+    with open(tmp, "w") as f:
         for s in samples:
             f.write(json.dumps(s.to_json()) + "\n")
+    tmp.rename(out / f"step_{step:06d}.jsonl")
 
 
 def offline_batches(directory: str):
@@ -4347,12 +4353,35 @@ def checkpoint(cfg: Config, step: int, models: dict, manager, data_id: str):
                     cfg.train.keep_checkpoints, rollout)
 
 
-def sft_sample(codec: Codec, row: dict, index: int) -> Sample:
+def row_images(d: DataConfig, row: dict, codec: Codec) -> list:
+    """A data row's images, decoded within the caps; paths only under the data set's own directory."""
+    refs = row.get(d.image_key) or []
+    if refs and codec.processor is None:
+        raise ValueError("the row has images but the model is text-only")
+    roots = (d.media_root,) if d.media_root else \
+        tuple(os.path.dirname(os.path.abspath(p)) for p in (d.path, d.eval_path) if p)
+    return [load_image(x, roots, d.image_max_mb, d.image_max_pixels) for x in refs]
+
+
+def with_images(msgs: list[dict], n: int, index: int) -> list[dict]:
+    """A chat row's messages with its n images as image parts at their <image> markers (string contents), in order.
+    Without images the markers are plain text."""
+    out = msgs if not n else [{**m, "content": as_messages(m["content"], [None] * m["content"].count("<image>"))[0]["content"]}
+           if isinstance(m.get("content"), str) and "<image>" in m["content"] else m for m in msgs]
+    found = len(image_parts(out))
+    if found != n or any(image_parts([m]) for m in out if m.get("role") == "assistant"):
+        raise UsageError(f"sft row {index}: {n} image(s) but {found} <image> marker(s) or image parts outside the "
+                         "assistant turns")
+    return out
+
+
+def sft_sample(codec: Codec, row: dict, index: int, images: list = ()) -> Sample:
     """A chat row -> one Sample cut the way a rollout is: each context span is what the chat template renders up to
-    and including the generation prompt (token for token what the engine would be prompted with), each assistant
-    turn is trainable up to its end-of-turn token, and the template's text after that is context again."""
-    msgs, tools = row["messages"], row.get("tools")
-    s, done = Sample(rollout_id=f"sft-{index}", group_id=f"sft-{index}", prompt_index=index), ""
+    and including the generation prompt (token for token what the engine would be prompted with, its images
+    expanded by the processor), each assistant turn is trainable up to its end-of-turn token, and the template's text
+    after that is context again."""
+    msgs, tools = with_images(row["messages"], len(images), index), row.get("tools")
+    s, done, shown = Sample(rollout_id=f"sft-{index}", group_id=f"sft-{index}", prompt_index=index), "", 0
     eos = codec.tokenizer.eos_token
     for i, m in enumerate(msgs):
         if m.get("role") != "assistant":
@@ -4362,13 +4391,17 @@ def sft_sample(codec: Codec, row: dict, index: int) -> Sample:
             raise UsageError(f"sft row {index}: the chat template re-renders earlier turns; no token-exact cut")
         reply = full[len(prefix):]
         cut = reply.find(eos) + len(eos) if eos and eos in reply else len(reply)
-        s.add_context(codec.encode(prefix[len(done):])[0])
+        new = list(images[shown:len(image_parts(msgs[:i]))])  # the images this context span shows
+        ids, mm = codec.encode(prefix[len(done):], new or None)
+        s.add_context(ids, new, mm)
+        shown += len(new)
         ids = codec.encode(reply[:cut])[0]
         s.extend(ids, [0.0] * len(ids), [0] * len(ids), 1.0)
         s.add_context(codec.encode(reply[cut:])[0] if reply[cut:] else [])
         done = full
     if not any(s.mask):
         raise UsageError(f"sft row {index}: no assistant message to train on")
+    s.images = []  # the trainer needs the processor tensors in s.mm, not the PIL images
     return s
 
 
@@ -4380,9 +4413,9 @@ def sft_main(cfg: Config):
     ray_init(cfg)
     model_path, t_start = resolve_model(cfg.model), time.time()
     codec = Codec(model_path)
-    samples = [sft_sample(codec, r, i) for i, r in enumerate(rows)]
-    evals = [sft_sample(codec, r, i) for i, r in enumerate(load_rows(cfg.data.eval_path, dataclasses.replace(
-        cfg.data, prompt_key="messages")))] if cfg.data.eval_path else []
+    samples = [sft_sample(codec, r, i, row_images(cfg.data, r, codec)) for i, r in enumerate(rows)]
+    evals = [sft_sample(codec, r, i, row_images(cfg.data, r, codec)) for i, r in enumerate(load_rows(
+        cfg.data.eval_path, dataclasses.replace(cfg.data, prompt_key="messages")))] if cfg.data.eval_path else []
     per_epoch = math.ceil(len(samples) / cfg.sft.batch_size)
     total = cfg.steps = min(cfg.steps, per_epoch * cfg.sft.epochs)
     models = {"policy": ModelGroup(cfg, model_path, "sft", total)}
@@ -4472,7 +4505,7 @@ def logged_errors(logs: Path, head: str) -> list[tuple[Path, str]]:
     the root cause (vLLM's engine core, for one, logs it and raises something vaguer)."""
     found = []
     for path in sorted(p for p in logs.glob("*.log") if p.name != "driver.log"):
-        hits = [m.group(1) for m in re.finditer(r"^(?:.*\] )?(\w*(?:Error|Exception): .{0,300})",
+        hits = [m.group(1) for m in re.finditer(r"^(?:.*\] )?([\w.]*(?:Error|Exception): .{0,300})",
                                                 path.read_text(errors="replace"), re.M) if m.group(1) not in head]
         found += [(path, hits[-1])] if hits else []
     return found
@@ -4558,11 +4591,11 @@ def view_page(root: Path) -> tuple[str, int]:
     """-> (the HTML, samples embedded)."""
     import gzip
     config = json.loads((root / "config.json").read_text()) if (root / "config.json").exists() else {}
-    metrics = [json.loads(x) for x in open(root / "metrics.jsonl")] if (root / "metrics.jsonl").exists() else []
+    metrics = json_lines(root / "metrics.jsonl") if (root / "metrics.jsonl").exists() else []
     steps, blobs, ids, n = [], [], set(), 0
     for path in sorted((root / "samples").glob("step_*.jsonl")):
-        rows = [view_row(json.loads(line)) for line in open(path) if line.strip()]
-        ids.update(t for r in rows for t in r["tokens"])
+        rows = [view_row(r) for r in json_lines(path)]
+        ids.update(t for r in rows for t in [*r["tokens"], *(r.get("drift") or {}).get("retokenized", [])])
         steps.append(int(path.stem[5:]))
         packed = base64.b64encode(gzip.compress(json.dumps(rows, separators=(",", ":")).encode(), 6)).decode()
         blobs.append(f'<script type="application/octet-stream" id="step-{steps[-1]}">{packed}</script>')
@@ -4571,16 +4604,31 @@ def view_page(root: Path) -> tuple[str, int]:
     flat = flat_config(config)
     head = {"steps": steps, "vocab": vocab, "image_token": image_token, "plots": [label for _, label in VIEW_PLOTS],
             "config": {k: flat[k] for k in VIEW_CONFIG if k in flat}, "run": str(root)}
-    data = json.dumps(head, separators=(",", ":")).replace("</", "<\\/")
+    data = json.dumps(head, separators=(",", ":")).replace("<", "\\u003c")  # no tag can end or open in it
     return VIEW_PAGE.replace("@PLOTS@", view_plots(metrics)).replace("@DATA@", data).replace(
         "@BLOBS@", "\n".join(blobs)), n
 
 
+def json_lines(path: Path) -> list[dict]:
+    """The complete JSON lines of a file a live run may be appending to (a half-written last line is skipped)."""
+    out = []
+    for line in open(path):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
 def view_row(d: dict) -> dict:
-    """A dumped Sample, log-probs rounded (the page shows 3 decimals), temperatures only where they vary."""
+    """A dumped Sample, log-probs rounded (the page shows 3 decimals), temperatures only where they vary; NaN and
+    infinities become null (the browser's JSON has no such numbers)."""
     d["logprobs"] = [round(x, 4) for x in d["logprobs"]]
     if len({t for t in d.get("temperatures") or []}) <= 1:
         d.pop("temperatures", None)
+    for key, values in (d.get("trainer") or {}).items():
+        d["trainer"][key] = [x if math.isfinite(x) else None for x in values]
+    d["logprobs"] = [x if math.isfinite(x) else None for x in d["logprobs"]]
     return d
 
 
@@ -4604,7 +4652,7 @@ def view_plots(metrics: list[dict]) -> str:
             m["tokens/s"] = m["tokens/generated"] / m["time/step"]
     out = []
     for key, label in VIEW_PLOTS:
-        pts = [(m["step"], m[key]) for m in metrics if isinstance(m.get(key), (int, float))]
+        pts = [(m["step"], m[key]) for m in metrics if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])]
         if not pts:
             continue
         (x0, x1), (y0, y1) = [(min(v), max(v)) for v in zip(*pts)]
@@ -4671,7 +4719,7 @@ function summary(s, i, all) {
   return {index: i, rollout: s.rollout_id.slice(0, 8), group: s.group_id.slice(0, 8), segment: s.segment,
     reward: s.reward, score: s.score, length: s.tokens.length, finish: s.finish_reason,
     segments: all.filter(x => x.rollout_id === s.rollout_id).length,
-    stale: trained.length ? stepNo - 1 - Math.min(...trained) : 0,
+    stale: trained.length ? stepNo - 1 - trained.reduce((a, b) => Math.min(a, b)) : 0,
     drift: s.drift && s.drift.cause ? s.drift.cause.join(" ") : ""};
 }
 function passes(r, filter) {
@@ -4687,7 +4735,7 @@ function renderList(samples) {
     .sort((a, b) => (a[sortKey] > b[sortKey] ? 1 : a[sortKey] < b[sortKey] ? -1 : 0) * sortDir);
   const head = "<tr>" + COLS.map(([k, l]) => `<th data-key="${k}">${l}</th>`).join("") + "</tr>";
   const body = shown.map(r => `<tr class="sample${r.index === opened ? " open" : ""}" data-index="${r.index}"` +
-    ` data-rollout="${samples[r.index].rollout_id}">` + COLS.map(([k]) => `<td>${fmt(r[k])}</td>`).join("") +
+    ` data-rollout="${esc(samples[r.index].rollout_id)}">` + COLS.map(([k]) => `<td>${esc(fmt(r[k]))}</td>`).join("") +
     "</tr>").join("");
   $("list").innerHTML = `<table id="samples">${head}${body}</table>`;
   $("list").querySelectorAll("th").forEach(th => th.onclick = () => {
@@ -4720,10 +4768,10 @@ function tokenSpans(s) {
     const tip = `id ${id} ${JSON.stringify(text(id))}` + Object.entries(all).filter(([, v]) => v !== undefined)
       .map(([k, v]) => `\n${k}: ${typeof v === "number" ? +v.toFixed(4) : v}`).join("");
     const isImg = D.image_token !== null && id === D.image_token, first = isImg && s.tokens[t - 1] !== id;
-    const inner = first && s.thumbnails && s.thumbnails[img] ? `<img class="thumb" src="${s.thumbnails[img++]}">`
+    const inner = first && s.thumbnails && s.thumbnails[img] ? `<img class="thumb" src="${esc(s.thumbnails[img++])}">`
       : esc(text(id));
-    out.push(`<span class="tok ${cls}${isImg && !first ? " img-pad" : ""}" data-t="${t}" data-id="${id}" ` +
-      `data-m="${s.mask[t]}" data-v="${s.versions[t]}" style="background:${colour(ch, all[ch])}" ` +
+    out.push(`<span class="tok ${cls}${isImg && !first ? " img-pad" : ""}" data-t="${t}" data-id="${esc(id)}" ` +
+      `data-m="${esc(s.mask[t])}" data-v="${esc(s.versions[t])}" style="background:${colour(ch, all[ch])}" ` +
       `title="${esc(tip)}">${inner}</span>`);
   }
   return out.join("");
@@ -4735,8 +4783,8 @@ function driftPanel(s) {
   const d = s.drift;
   if (!d || d.first === null || d.first === undefined || !d.retokenized) return "";
   const lo = Math.max(0, d.first - 8), side = (ids, other) => ids.slice(lo, d.first + 60).map((id, j) =>
-    `<span class="${other[lo + j] === id ? "" : "differ"}" title="id ${id}">${esc(text(id))}</span>`).join("");
-  return `<h3>Drift: ${d.cause.join(", ")} (first differing token ${d.first})</h3><div class="drift">` +
+    `<span class="${other[lo + j] === id ? "" : "differ"}" title="id ${esc(id)}">${esc(text(id))}</span>`).join("");
+  return `<h3>Drift: ${esc(d.cause.join(", "))} (first differing token ${esc(d.first)})</h3><div class="drift">` +
     `<div><b>recorded (token-exact)</b><div class="tokens" id="drift-ours">${side(s.tokens, d.retokenized)}` +
     `</div></div>` +
     `<div><b>re-rendered and re-tokenized</b><div class="tokens" id="drift-theirs">${side(d.retokenized, s.tokens)}` +
@@ -4746,11 +4794,12 @@ function openSample(samples, index) {
   opened = index;
   const s = samples[index], episode = samples.map((x, i) => [x, i]).filter(([x]) => x.rollout_id === s.rollout_id)
     .sort((a, b) => a[0].segment - b[0].segment);
-  const parts = episode.map(([x, i], k) => (k ? `<div class="segment-boundary" data-segment="${x.segment}">segment ` +
-    `${x.segment}: the conversation was rewritten here (compaction or an edited turn), a new Sample starts</div>` : "") +
+  const parts = episode.map(([x, i], k) => (k ? `<div class="segment-boundary" data-segment="${esc(x.segment)}">` +
+    `segment ${esc(x.segment)}: the conversation was rewritten here (compaction or an edited turn), a new Sample starts</div>` : "") +
     `<div class="tokens sample-tokens${i === index ? " selected" : ""}" data-index="${i}">${tokenSpans(x)}</div>` +
     driftPanel(x));
-  $("detail").innerHTML = `<h2>sample ${index}: rollout ${s.rollout_id}, group ${s.group_id}, reward ${fmt(s.reward)}` +
+  $("detail").innerHTML = `<h2>sample ${index}: rollout ${esc(s.rollout_id)}, group ${esc(s.group_id)}, reward ` +
+    `${esc(fmt(s.reward))}` +
     `, ${episode.length} segment(s)</h2><pre>${esc(JSON.stringify(s.info))}</pre>` + parts.join("");
   document.querySelectorAll("tr.sample").forEach(tr => tr.classList.toggle("open", +tr.dataset.index === index));
   history.replaceState(null, "", `#step=${stepNo}&sample=${index}`);
@@ -4767,8 +4816,9 @@ async function showStep(step, index) {
 }
 async function start() {
   $("run").textContent = D.run;
-  $("config").innerHTML = Object.entries(D.config).map(([k, v]) => `<tr><th>${k}</th><td>${esc(v)}</td></tr>`).join("");
-  $("step").innerHTML = D.steps.map(s => `<option value="${s}">${s}</option>`).join("");
+  $("config").innerHTML = Object.entries(D.config).map(([k, v]) => `<tr><th>${esc(k)}</th><td>${esc(v)}</td></tr>`)
+    .join("");
+  $("step").innerHTML = D.steps.map(s => `<option value="${esc(s)}">${esc(s)}</option>`).join("");
   $("step").onchange = () => showStep(+$("step").value);
   const want = Object.fromEntries(location.hash.slice(1).split("&").filter(Boolean).map(kv => kv.split("=")));
   const step = want.step && D.steps.includes(+want.step) ? +want.step : D.steps[D.steps.length - 1];

@@ -10,6 +10,9 @@ Checks (each a subprocess with its own timeout, so one failure does not hide the
   weight-sync    a policy update into the engine on the 0.5B model: GB/s, and the engine/trainer log-prob gap (bf16)
   routing        routing capture -> replay (scripts/cuda_check_moe.py): expert mismatch with and without replay
   copy-task      `molt.py --agent agents/copy.py --target-reward 0.9`: steps and seconds to the target
+  knob-*         each CUDA-only parallelism / memory flag in a 2-step copy-task run (train tp / cp / ep, sequence
+                 parallel, full offload, engine dp / expert parallel / MTP); one needing more GPUs than the machine
+                 has prints "skip" with the count (MTP also needs MOLT_MTP_MODEL: a model with an MTP head)
 """
 import argparse
 import os
@@ -118,6 +121,20 @@ CHECKS = {
     "copy-task": [PY, os.path.join(ROOT, "molt.py"), "--agent", "agents/copy.py", "--target-reward", "0.9",
                   "--steps", "400", "--run-dir", os.path.join(tempfile.gettempdir(), "molt-gpu-check-copy")],
 }
+# name: (GPUs the run needs: trainer ranks + engine GPUs, molt.py flags)
+KNOBS = {
+    "knob-train-tp": (3, ["--train.num-ranks", "2", "--train.tp-size", "2"]),
+    "knob-train-sp": (3, ["--train.num-ranks", "2", "--train.tp-size", "2", "--train.sequence-parallel"]),
+    "knob-train-cp": (3, ["--train.num-ranks", "2", "--train.cp-size", "2"]),
+    "knob-train-ep": (3, ["--model", "tiny-moe", "--train.num-ranks", "2", "--train.ep-size", "2"]),
+    "knob-offload": (3, ["--train.num-ranks", "2", "--train.offload", "full"]),
+    "knob-engine-dp": (3, ["--engine.dp-size", "2"]),
+    "knob-engine-ep": (2, ["--model", "tiny-moe", "--engine.expert-parallel"]),
+    "knob-mtp": (2, ["--model", os.environ.get("MOLT_MTP_MODEL", ""), "--engine.mtp-tokens", "1"]),
+}
+for _name, (_gpus, _flags) in KNOBS.items():
+    CHECKS[_name] = [PY, os.path.join(ROOT, "molt.py"), "--agent", "agents/copy.py", "--steps", "2", "--run-dir",
+                     os.path.join(tempfile.gettempdir(), f"molt-gpu-check-{_name}"), *_flags]
 INNER = {"train-dense": lambda: train("dense"), "train-moe": lambda: train("moe"), "weight-sync": weight_sync}
 
 
@@ -133,6 +150,11 @@ def main(args):
     failed = 0
     for name, cmd in CHECKS.items():
         if args.only and args.only not in name:
+            continue
+        need = KNOBS.get(name, (1,))[0]
+        if need > torch.cuda.device_count() or (name == "knob-mtp" and not os.environ.get("MOLT_MTP_MODEL")):
+            print(f"skip {name:12s} needs {need} GPUs (this machine has {torch.cuda.device_count()})"
+                  + (" and MOLT_MTP_MODEL" if name == "knob-mtp" else ""), flush=True)
             continue
         t = time.perf_counter()
         try:

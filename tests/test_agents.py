@@ -506,7 +506,7 @@ def test_anthropic_decoder_maps_blocks_to_openai_messages():
         {"role": "user", "content": [{"type": "text", "text": "so?"}]}]
     assert t.tools == [{"type": "function", "function": {"name": "f", "description": "d",
                                                          "parameters": {"type": "object"}}}]
-    assert t.sampling == {"max_tokens": 5, "temperature": None, "top_p": None, "top_k": 3, "stop": ["z"]}
+    assert t.sampling == {"max_tokens": 5, "temperature": None, "top_p": None, "top_k": 3, "seed": None, "stop": ["z"]}
     assert not t.stream and t.usage_in_stream and t.tool_choice == "auto" and t.template == {}
     t = molt.decode_anthropic({"max_tokens": 5, "messages": [{"role": "user", "content": "q"}], "metadata": {},
                                "tools": [{"name": "f", "input_schema": {}}], "tool_choice": {"type": "any"},

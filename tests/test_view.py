@@ -89,6 +89,23 @@ def test_an_earlier_turn_the_template_renders_differently_is_a_template_drift(co
     report, _ = episode(codec, [ids(codec, "in<|im_end|>"), ids(codec, "the<|im_end|>")],
                         template={"enable_thinking": False})
     assert report["cause"] == ["template"] and report["metrics"]["drift/retokenize_mismatch_frac"] == 1.0
+    assert report["metrics"]["drift/unrendered"] == 0.0
+
+
+def test_a_template_that_cannot_render_the_conversation_back_costs_only_the_comparison(tiny):
+    # Qwen3's template raises on a prefix without a user turn, which drift_cause renders to locate a difference
+    codec = molt.Codec(tiny)
+    codec.tokenizer.chat_template = ("{%- if messages | selectattr('role', 'equalto', 'user') | list | length == 0 -%}"
+                                     "{{ raise_exception('No user query found in messages.') }}{%- endif -%}"
+                                     + molt.CHATML_TEMPLATE)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}]
+    seg = molt.Sample(rollout_id="r")
+    seg.add_context(ids(codec, codec.render(msgs, enable_thinking=False)))
+    reply = turn(codec, seg, ids(codec, "in<|im_end|>"), None)
+    s = molt.Session(ep=None, key=b"", segments=[seg], last_messages=msgs, choices=[(reply, seg)],
+                     template={"enable_thinking": False})  # the think block: a template drift, located by rendering
+    report = molt.drift_report(codec, s, [seg])
+    assert report["metrics"] == {"drift/unrendered": 1.0} and "No user query" in report["error"]
 
 
 def test_a_compacted_episode_is_a_compaction_drift_counting_the_lost_segment(codec):
