@@ -867,14 +867,18 @@ def as_messages(obs, images=None) -> list[dict]:
     if not images:
         return msgs
     user = next(m for m in msgs if m["role"] in ("user", "tool"))
-    content = user["content"]
-    if isinstance(content, str):
-        chunks = content.split("<image>")
-        parts = [{"type": "image"}] * (len(images) - (len(chunks) - 1)) if len(chunks) - 1 < len(images) else []
-        for i, chunk in enumerate(chunks):
-            parts += ([{"type": "image"}] if i else []) + ([{"type": "text", "text": chunk}] if chunk else [])
-        user["content"] = parts
+    if isinstance(user["content"], str):
+        user["content"] = marker_parts(user["content"], len(images))
     return msgs
+
+
+def marker_parts(text: str, n_images: int) -> list[dict]:
+    """Text with <image> markers -> content parts, an image part at each marker; images beyond the markers first."""
+    chunks = text.split("<image>")
+    parts = [{"type": "image"}] * max(0, n_images - (len(chunks) - 1))
+    for i, chunk in enumerate(chunks):
+        parts += ([{"type": "image"}] if i else []) + ([{"type": "text", "text": chunk}] if chunk else [])
+    return parts
 
 
 def import_path(path: str):
@@ -2462,6 +2466,16 @@ class Batch:
     counts: dict[str, float] = field(default_factory=dict)
 
 
+def row_images(d: DataConfig, row: dict, codec: Codec) -> list:
+    """A data row's images, decoded within the caps; paths only under the data set's own directory."""
+    refs = row.get(d.image_key) or []
+    if refs and codec.processor is None:
+        raise ValueError("the row has images but the model is text-only")
+    roots = (d.media_root,) if d.media_root else \
+        tuple(os.path.dirname(os.path.abspath(p)) for p in (d.path, d.eval_path) if p)
+    return [load_image(x, roots, d.image_max_mb, d.image_max_pixels) for x in refs]
+
+
 class AgentPool:
     """Runs many episodes concurrently on one event loop: the agent module, a codec, a router to the engines and (for
     chat agents) a loopback server. A Ray actor in a run; a plain object in tests."""
@@ -2512,7 +2526,7 @@ class AgentPool:
         if isinstance(self.runner, ChatAgentRunner):
             await self.server.start()
         try:
-            images = await asyncio.to_thread(self.row_images, row)
+            images = await asyncio.to_thread(row_images, self.cfg.data, row, self.codec)
             prompt = row[d.prompt_key]
         except Exception as err:  # noqa: BLE001 - a bad row is the data's fault: skipped and counted
             print(f"[rollout] skipping data row {index}: {type(err).__name__}: {err}", file=sys.stderr)
@@ -2522,16 +2536,14 @@ class AgentPool:
         failures: dict[str, int] = {}
         results = await asyncio.gather(*[self.run_episode(ep, failures) for ep in eps])
         if len(self.router.dead) == len(self.router.engines):
-            raise RuntimeError("every engine this pool routes to is dead (see the engine logs: RUN_DIR/logs/engine-*.log)")
+            raise RuntimeError("every engine this pool routes to is dead (see the engine logs: "
+                               "RUN_DIR/logs/engine-*.log)")
         samples = [s for r in results for s in r]
         for s in samples:
             s.thumbnails = [thumbnail(im) for im in s.images] if self.cfg.dump_samples else []
             s.images = []  # the trainer needs the processor tensors in s.mm, not the PIL images
             s.prompt_index, s.epoch = index, epoch
         return GroupOut(samples, failures, self.router.failures)
-
-    def row_images(self, row: dict) -> list:
-        return row_images(self.cfg.data, row, self.codec)
 
     async def run_episode(self, ep: Episode, failures: dict) -> list[Sample]:
         kind = None
@@ -4053,7 +4065,8 @@ class WeightSync:
             print(f"[sync] {lost} engine(s) left the run during the update (their log says why); "
                   f"{len(alive)} remain", file=sys.stderr)
         if not alive:
-            raise RuntimeError("every engine left the run during a weight update (see the engine logs: RUN_DIR/logs/engine-*.log)")
+            raise RuntimeError("every engine left the run during a weight update (see the engine logs: "
+                               "RUN_DIR/logs/engine-*.log)")
         failed = [r for r in results if r["failed"]]
         for r in failed:
             print(f"[sync] engine {r['engine']} kept version {r['version']}: {r['failed']}", file=sys.stderr)
@@ -4353,21 +4366,11 @@ def checkpoint(cfg: Config, step: int, models: dict, manager, data_id: str):
                     cfg.train.keep_checkpoints, rollout)
 
 
-def row_images(d: DataConfig, row: dict, codec: Codec) -> list:
-    """A data row's images, decoded within the caps; paths only under the data set's own directory."""
-    refs = row.get(d.image_key) or []
-    if refs and codec.processor is None:
-        raise ValueError("the row has images but the model is text-only")
-    roots = (d.media_root,) if d.media_root else \
-        tuple(os.path.dirname(os.path.abspath(p)) for p in (d.path, d.eval_path) if p)
-    return [load_image(x, roots, d.image_max_mb, d.image_max_pixels) for x in refs]
-
-
 def with_images(msgs: list[dict], n: int, index: int) -> list[dict]:
     """A chat row's messages with its n images as image parts at their <image> markers (string contents), in order.
     Without images the markers are plain text."""
-    out = msgs if not n else [{**m, "content": as_messages(m["content"], [None] * m["content"].count("<image>"))[0]["content"]}
-           if isinstance(m.get("content"), str) and "<image>" in m["content"] else m for m in msgs]
+    out = [{**m, "content": marker_parts(m["content"], m["content"].count("<image>"))}
+           if n and isinstance(m.get("content"), str) and "<image>" in m["content"] else m for m in msgs]
     found = len(image_parts(out))
     if found != n or any(image_parts([m]) for m in out if m.get("role") == "assistant"):
         raise UsageError(f"sft row {index}: {n} image(s) but {found} <image> marker(s) or image parts outside the "
@@ -4470,7 +4473,7 @@ def main(argv=None):
     check_paths(cfg)
     try:
         return (sft_main if cfg.mode == "sft" else rl_main)(cfg)
-    except (UsageError, KeyboardInterrupt):
+    except UsageError:
         raise
     except Exception as err:
         if cfg.verbose or not cfg.run_dir:
@@ -4602,7 +4605,7 @@ def view_page(root: Path) -> tuple[str, int]:
         n += len(rows)
     vocab, image_token = view_vocab(config.get("model", ""), ids)
     flat = flat_config(config)
-    head = {"steps": steps, "vocab": vocab, "image_token": image_token, "plots": [label for _, label in VIEW_PLOTS],
+    head = {"steps": steps, "vocab": vocab, "image_token": image_token,
             "config": {k: flat[k] for k in VIEW_CONFIG if k in flat}, "run": str(root)}
     data = json.dumps(head, separators=(",", ":")).replace("<", "\\u003c")  # no tag can end or open in it
     return VIEW_PAGE.replace("@PLOTS@", view_plots(metrics)).replace("@DATA@", data).replace(
@@ -4623,12 +4626,11 @@ def json_lines(path: Path) -> list[dict]:
 def view_row(d: dict) -> dict:
     """A dumped Sample, log-probs rounded (the page shows 3 decimals), temperatures only where they vary; NaN and
     infinities become null (the browser's JSON has no such numbers)."""
-    d["logprobs"] = [round(x, 4) for x in d["logprobs"]]
+    d["logprobs"] = [round(x, 4) if math.isfinite(x) else None for x in d["logprobs"]]
     if len({t for t in d.get("temperatures") or []}) <= 1:
         d.pop("temperatures", None)
     for key, values in (d.get("trainer") or {}).items():
         d["trainer"][key] = [x if math.isfinite(x) else None for x in values]
-    d["logprobs"] = [x if math.isfinite(x) else None for x in d["logprobs"]]
     return d
 
 

@@ -132,9 +132,9 @@ KNOBS = {
     "knob-engine-ep": (2, ["--model", "tiny-moe", "--engine.expert-parallel"]),
     "knob-mtp": (2, ["--model", os.environ.get("MOLT_MTP_MODEL", ""), "--engine.mtp-tokens", "1"]),
 }
-for _name, (_gpus, _flags) in KNOBS.items():
-    CHECKS[_name] = [PY, os.path.join(ROOT, "molt.py"), "--agent", "agents/copy.py", "--steps", "2", "--run-dir",
-                     os.path.join(tempfile.gettempdir(), f"molt-gpu-check-{_name}"), *_flags]
+CHECKS.update({name: [PY, os.path.join(ROOT, "molt.py"), "--agent", "agents/copy.py", "--steps", "2", "--run-dir",
+                       os.path.join(tempfile.gettempdir(), f"molt-gpu-check-{name}"), *flags]
+               for name, (_, flags) in KNOBS.items()})
 INNER = {"train-dense": lambda: train("dense"), "train-moe": lambda: train("moe"), "weight-sync": weight_sync}
 
 

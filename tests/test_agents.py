@@ -651,10 +651,11 @@ def test_data_row_images_come_only_from_the_data_directory(tiny_vl, tmp_path):
     outside = tmp_path / "outside.png"
     outside.write_bytes(png_bytes((56, 56)))
     pool = molt.AgentPool(small_config(**{"data.path": str(data / "rows.jsonl")}), "", tiny_vl, [])
-    assert [im.size for im in pool.row_images({"images": ["ok.png", str(data / "ok.png")]})] == [(56, 56)] * 2
+    assert [im.size for im in molt.row_images(pool.cfg.data, {"images": ["ok.png", str(data / "ok.png")]},
+                                              pool.codec)] == [(56, 56)] * 2
     for ref, message in [(str(outside), "outside"), ("../outside.png", "outside"), ("fifo.png", "regular file"),
                          ("bomb.png", "pixels"), ("link.png", "outside"), ("/etc/hostname", "outside")]:
         t = time.time()
         with pytest.raises(ValueError, match=message):
-            pool.row_images({"images": [ref]})
+            molt.row_images(pool.cfg.data, {"images": [ref]}, pool.codec)
         assert time.time() - t < 2, ref  # a FIFO does not hang it

@@ -197,7 +197,9 @@ def test_the_viewer_shows_an_env_run_with_tool_turns_and_images_token_by_token(g
     for s in step1:  # GRPO: one advantage per episode, on each trained token, signed by reward - group mean
         adv = {s["trainer"]["advantages"][t] for t, m in enumerate(s["mask"]) if m}
         mean = sum(by_group[s["group_id"]]) / len(by_group[s["group_id"]])
-        assert len(adv) == 1 and (adv.pop() > 0) == (s["reward"] > mean) or s["reward"] == mean
+        assert len(adv) == 1
+        a = adv.pop()
+        assert a == 0.0 if s["reward"] == mean else (a > 0) == (s["reward"] > mean)
     i = max(range(len(step2)), key=lambda k: step2[k]["n_images"])
     dom = render(page, f"step=2&sample={i}", "view-geo3k")
     assert dom.ready is not None and dom.rows == len(step2)
@@ -230,3 +232,37 @@ def test_the_viewer_marks_where_a_chat_agent_compacted_and_the_drift(compacting_
     for index, spans in dom.blocks.items():
         check_tokens(dom, index, samples[index])
     assert {samples[k]["rollout_id"] for k in dom.blocks} == {samples[i]["rollout_id"]}
+
+
+def test_the_viewer_shows_hostile_strings_as_text(tmp_path):
+    # rollout ids, finish reasons, info and config values come from agent code and data rows: an attacker's markup in
+    # them must stay text. The effect is checked from outside the page: the DOM Chromium leaves behind.
+    attack = '<img id="pwned" src="x" onerror="document.body.dataset.pwned=1"></script><script>document.body.' \
+             'dataset.pwned=2</script>'
+    run = tmp_path / "run"
+    (run / "samples").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"model": "tiny", "agent": attack}))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 1.0}) + "\n")
+    s = {"rollout_id": attack, "group_id": attack, "segment": 0, "tokens": [5, 6, 7], "mask": [0, 1, 1],
+         "logprobs": [0.0, -1.0, -2.0], "versions": [-1, 0, 0], "reward": 1.0, "score": 1.0,
+         "finish_reason": attack, "info": {attack: 1.0}, "drift": {"cause": [attack], "first": 1,
+                                                                   "retokenized": [5, 8, 7]}}
+    (run / "samples" / "step_000001.jsonl").write_text(json.dumps(s) + "\n")
+    page = view(run)
+    dom = subprocess.run([shutil.which("chromium") or "chromium", "--headless", "--no-sandbox", "--disable-gpu",
+                          "--virtual-time-budget=20000", "--dump-dom", page.resolve().as_uri() + "#step=1&sample=0"],
+                         capture_output=True, text=True, timeout=120).stdout
+    assert 'data-ready="' in dom and len(Dom(dom).blocks[0]) == 3  # the page ran and drew the sample
+    elements = Tags(dom).tags
+    assert not [a for _, a in elements if a.get("id") == "pwned" or "data-pwned" in a]  # no element, no script ran
+    assert "&lt;img id=" in dom  # shown, as text
+
+
+class Tags(HTMLParser):
+    def __init__(self, html):
+        super().__init__()
+        self.tags = []
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
