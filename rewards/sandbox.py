@@ -79,14 +79,14 @@ def bwrap_argv(extra: list[str] = ()) -> list[str]:
     for d in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.exists(d):
             argv += ["--ro-bind", d, d]
-    roots = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}
-    for root in sorted(roots):  # this interpreter's own installation and its virtual environment, read-only
-        if not root.startswith(("/usr", "/bin", "/lib")):
-            argv += ["--ro-bind", root, root]
     size = ["--size", str(SCRATCH_BYTES)]
-    argv += ["--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/tmp", *size, "--tmpfs", "/scratch", "--chdir", "/scratch",
-             "--setenv", "HOME", "/scratch", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "MPLBACKEND", "Agg",
-             "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "LANG", "C.UTF-8"]
+    argv += ["--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/tmp", *size, "--tmpfs", "/scratch"]
+    roots = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}
+    for root in sorted(roots):  # this interpreter's installation and virtual environment, read-only; bound after the
+        if not root.startswith(("/usr", "/bin", "/lib")):  # tmpfs, so a checkout under /tmp still finds its Python
+            argv += ["--ro-bind", root, root]
+    argv += ["--chdir", "/scratch", "--setenv", "HOME", "/scratch", "--setenv", "PATH", "/usr/bin:/bin",
+             "--setenv", "MPLBACKEND", "Agg", "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "LANG", "C.UTF-8"]
     return argv + list(extra) + ["/usr/bin/prlimit", f"--nproc={PROCESSES}:{PROCESSES}", "--"]
 
 
