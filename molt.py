@@ -137,8 +137,9 @@ class TrainConfig:
     cp_size: int = _f(1, "policy context-parallel degree inside num_ranks (AutoModel, CUDA)")
     ep_size: int = _f(1, "policy expert-parallel degree for MoE (AutoModel, CUDA)")
     sequence_parallel: bool = _f(False, "sequence parallelism inside tensor parallelism (AutoModel, CUDA)")
-    offload: str = _f("none", "none, or full: parameters, gradients and optimizer state live in host memory between "
-                      "uses (FSDP2 CPUOffloadPolicy; CUDA, more than one rank)", choices=("none", "full"))
+    offload: str = _f("none", "optimizer: AdamW steps fp32 host copies of the parameters, so its moments live in "
+                      "host memory; full: parameters, gradients and optimizer state live there between uses (FSDP2 "
+                      "CPUOffloadPolicy, more than one rank); CUDA only", choices=("none", "optimizer", "full"))
     backend: str = _f("auto", "policy model builder: auto (NVIDIA AutoModel on CUDA when installed, else "
                       "transformers), automodel, hf (the critic is always a transformers value model)",
                       choices=("auto", "automodel", "hf"))
@@ -151,8 +152,12 @@ class TrainConfig:
     betas: tuple = _f((0.9, 0.999), "AdamW betas", nargs=2, type=float)
     max_grad_norm: float = _f(1.0, "gradient clipping norm (0 = off)")
     micro_batch_size: int = _f(16, "samples per forward/backward on each rank")
-    max_tokens_per_micro_batch: int = _f(0, "pack micro-batches under this many (padded) tokens instead of "
-                                            "micro_batch_size samples; 0: off")
+    max_tokens_per_micro_batch: int = _f(0, "micro-batches of up to this many tokens (count x longest, padded; "
+                                            "their sum with --train.pack-samples) instead of micro_batch_size "
+                                            "samples; 0: off")
+    pack_samples: bool = _f(False, "run each micro-batch as one row, samples back to back with positions restarting "
+                            "(no padding; attention stays inside each sample): text models, CUDA with flash "
+                            "attention's varlen kernels (the flash-attn package)")
     mini_batches: int = _f(1, "optimizer steps per rollout batch")
     epochs: int = _f(1, "passes over each rollout batch")
     async_queue_size: int = _f(1, "rollout batches generated ahead of training (0 = synchronous, on-policy)")
@@ -435,7 +440,8 @@ SHARDING_FLAGS = ("--train.tp-size", "--train.cp-size", "--train.ep-size", "--tr
 CUDA_FLAGS = {"--train.tp-size": lambda c: c.train.tp_size > 1, "--train.cp-size": lambda c: c.train.cp_size > 1,
               "--train.ep-size": lambda c: c.train.ep_size > 1,
               "--train.sequence-parallel": lambda c: c.train.sequence_parallel,
-              "--train.offload": lambda c: c.train.offload != "none", "--engine.dp-size": lambda c: c.engine.dp_size > 1,
+              "--train.offload": lambda c: c.train.offload != "none",
+              "--train.pack-samples": lambda c: c.train.pack_samples, "--engine.dp-size": lambda c: c.engine.dp_size > 1,
               "--engine.expert-parallel": lambda c: c.engine.expert_parallel,
               "--engine.mtp-tokens": lambda c: c.engine.mtp_tokens > 0}
 
@@ -463,6 +469,11 @@ def check_launch(cfg: Config, model_path: str, gpus: float):
     sharding = [f for f in SHARDING_FLAGS if CUDA_FLAGS[f](cfg)]
     if sharding and not automodel_backend(cfg, bool(gpus)):
         raise UsageError(f"{', '.join(sharding)} need the AutoModel backend (--train.backend automodel)")
+    if cfg.train.pack_samples and is_vlm(model_path):
+        raise UsageError("--train.pack-samples: text models only (a VLM's M-RoPE positions come from the padded rows)")
+    if cfg.train.pack_samples and not importlib.util.find_spec("flash_attn"):
+        raise UsageError("--train.pack-samples needs flash attention's varlen kernels (pip install flash-attn): with "
+                         "SDPA a packed row attends through one dense mask over all of it, 0.56x the padded step")
     routing = cfg.train.routing_replay or cfg.train.routing_capture
     if routing and not gpus:
         raise UsageError(ROUTING_CPU_ERROR)
@@ -473,6 +484,11 @@ def check_launch(cfg: Config, model_path: str, gpus: float):
         check_same_tokenizer(model_path, resolve_model(cfg.ref.model))
     if not cfg.agent and not ESTIMATORS[cfg.algo.estimator].teacher and not cfg.offline_samples:
         raise UsageError("--agent is required (a module exporting AgentRunner)")
+
+
+def is_vlm(model_path: str) -> bool:
+    from transformers import AutoConfig
+    return hasattr(AutoConfig.from_pretrained(model_path), "vision_config")
 
 
 def check_same_tokenizer(student: str, teacher: str):
@@ -924,7 +940,6 @@ class EngineRequest:
 
 
 def engine_args(cfg: Config, model_path: str, index: int):
-    from transformers import AutoConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     cuda = _cuda()
     kw = dict(model=model_path, tensor_parallel_size=cfg.engine.tp_size, seed=cfg.seed + index,
@@ -943,7 +958,7 @@ def engine_args(cfg: Config, model_path: str, index: int):
     else:
         kw["kv_cache_memory_bytes"] = int(cfg.engine.kv_cache_gb * 2**30)
         kw.update(vllm_cpu_worker_in_core(cfg))
-    if hasattr(AutoConfig.from_pretrained(model_path), "vision_config"):
+    if is_vlm(model_path):
         # No prefix caching for a VLM on vllm 0.32: a request whose image lies in a cached prefix reaches the worker
         # without its pixels (strip_covered_mm_data), and when a weight update preempts it the recompute needs them
         # ("Expected number of multimodal embeddings ...: 1, but got 0") and the engine dies.
@@ -1347,9 +1362,9 @@ class Codec:
     def __init__(self, model_path: str):
         from collections import OrderedDict
 
-        from transformers import AutoConfig, AutoProcessor, AutoTokenizer
+        from transformers import AutoProcessor, AutoTokenizer
         self.processor = None
-        if hasattr(AutoConfig.from_pretrained(model_path), "vision_config"):
+        if is_vlm(model_path):
             self.processor = AutoProcessor.from_pretrained(model_path)
         self.tokenizer = self.processor.tokenizer if self.processor else AutoTokenizer.from_pretrained(model_path)
         self.text_ids: OrderedDict[str, list[int]] = OrderedDict()  # prompts a group shares, bounded in characters
@@ -3064,17 +3079,20 @@ def shard_plan(samples: list[Sample], world: int, mini_batches: int) -> list[lis
 
 def pack_micro_batches(samples: list[Sample], idx: list[int], t: TrainConfig) -> list[list[int]]:
     """idx (longest first, as shard_plan deals them) -> micro-batches: micro_batch_size at a time, or under
-    --train.max-tokens-per-micro-batch as many as keep count x longest (the padded size) within the budget; a sample
-    longer than the budget goes alone. The loss is the same either way: it is normalised by whole-batch counts."""
+    --train.max-tokens-per-micro-batch as many as fit the budget: their total length when they run packed into
+    one row (--train.pack-samples), count x longest (the padded size) otherwise; a sample longer than the budget goes
+    alone. The loss is the same either way: it is normalised by whole-batch counts."""
     if not t.max_tokens_per_micro_batch:
         return [idx[k:k + t.micro_batch_size] for k in range(0, len(idx), t.micro_batch_size)]
     out: list[list[int]] = [[]]
-    longest = 0
+    longest = total = 0
     for i in idx:
         n = len(samples[max(i, 0)].tokens)  # -1: a masked copy of sample 0
-        if out[-1] and (len(out[-1]) + 1) * max(longest, n) > t.max_tokens_per_micro_batch:
+        size = total + n if t.pack_samples else (len(out[-1]) + 1) * max(longest, n)
+        if out[-1] and size > t.max_tokens_per_micro_batch:
             out.append([])
-        longest = max(longest, n) if out[-1] else n
+            longest = total = 0
+        longest, total = max(longest, n), total + n
         out[-1].append(i)
     return [mb for mb in out if mb]
 
@@ -3089,9 +3107,12 @@ class TrainInputs:
     values: dict | None = None  # the critic's values before the update (value clip)
 
 
-def collate(samples: list[Sample], idx: list[int], inputs: TrainInputs | None, device, temperature: float = 1.0):
+def collate(samples: list[Sample], idx: list[int], inputs: TrainInputs | None, device, temperature: float = 1.0,
+            pack: bool = False):
     """Right-padded micro-batch. -1 entries are copies of sample 0 with an all-zero mask (FSDP padding). Each token's
-    sampling temperature comes from its Sample, else `temperature` (the run's)."""
+    sampling temperature comes from its Sample, else `temperature` (the run's). pack: the model runs it as one row
+    (flat: where its L real tokens sit in the padded [b, T] layout; pos: their positions [1, L], restarting at each
+    sample); every per-token array stays padded, so the losses read both layouts alike."""
     import torch
     rows = [samples[i] if i >= 0 else samples[0] for i in idx]
     T = max(len(s.tokens) for s in rows)
@@ -3113,15 +3134,35 @@ def collate(samples: list[Sample], idx: list[int], inputs: TrainInputs | None, d
         mb["mm"] = {k: torch.cat([s.mm[k] for s, i in zip(rows, idx) if s.mm]).to(device) for k in rows[0].mm}
     if any(s.routing is not None for s in rows):
         mb["routing"] = routing_batch(rows, T, device)
+    if pack:
+        mb["flat"] = mb["attn"].flatten().nonzero()[:, 0]
+        mb["pos"] = torch.cat([torch.arange(len(s.tokens)) for s in rows]).to(device)[None]
     return mb
 
 
+def packed(x, mb: dict):
+    """[b, T, ...] -> [1, L, ...]: the micro-batch's real tokens back to back in one row."""
+    return x.flatten(0, 1)[mb["flat"]][None]
+
+
+def unpacked(x, mb: dict):
+    """[1, L, ...] -> [b, T, ...] with zeros at the padding: the inverse of packed, differentiable."""
+    b, T = mb["ids"].shape
+    return x.new_zeros((b * T, *x.shape[2:])).index_put((mb["flat"],), x[0]).view(b, T, *x.shape[2:])
+
+
 def model_forward(model, mb: dict, image_token: int | None):
-    """Logits [b, T, V] (or values [b, T, 1] for the critic). VLM inputs go in with token types (1 on image pads)."""
+    """Logits [b, T, V] (or values [b, T, 1] for the critic). VLM inputs go in with token types (1 on image pads). A
+    packed micro-batch runs as one row -> [1, L, V]: with position ids and no attention mask, transformers keeps
+    attention inside each sample (flash attention's varlen kernel on CUDA, a block-diagonal mask with SDPA)."""
     kw = {}
     if "mm" in mb:
         kw = dict(mb["mm"], mm_token_type_ids=(mb["ids"] == image_token).long())
-    set_routing(model, mb.get("routing"))  # stays set through backward: activation-checkpoint recompute sees it
+    routing = mb.get("routing")
+    if "flat" in mb:
+        set_routing(model, None if routing is None else packed(routing, mb))
+        return model(input_ids=packed(mb["ids"], mb), position_ids=mb["pos"], use_cache=False).logits
+    set_routing(model, routing)  # stays set through backward: activation-checkpoint recompute sees it
     return model(input_ids=mb["ids"], attention_mask=mb["attn"], use_cache=False, **kw).logits
 
 
@@ -3139,11 +3180,28 @@ def token_logprobs(logits, ids, temperature, with_entropy=False, media: list[int
     return (lp, -(logp.exp() * logp).sum(-1)) if with_entropy else (lp, None)
 
 
+def step_logprobs(w, mb: dict, with_entropy=False):
+    """Worker w's model on micro-batch mb -> token_logprobs in the padded layout [b, T - 1], packed or not."""
+    import torch.nn.functional as F
+    logits = model_forward(w.model, mb, w.image_token)
+    if "flat" not in mb:
+        return token_logprobs(logits, mb["ids"], mb["temperature"], with_entropy, w.media)
+    # [1, L - 1]: the last position of each sample predicts across a restart; unpacking puts it in the padding
+    temperature = packed(F.pad(mb["temperature"], (0, 1), value=1.0), mb)[:, :-1]
+    out = token_logprobs(logits, packed(mb["ids"], mb), temperature, with_entropy, w.media)
+    return tuple(x if x is None else unpacked(F.pad(x, (0, 1)), mb)[:, :-1] for x in out)
+
+
+def step_values(w, mb: dict):
+    """The critic's values [b, T - 1] at each row's positions, packed or not."""
+    v = model_forward(w.model, mb, w.image_token)[..., 0].float()
+    return (unpacked(v, mb) if "flat" in mb else v)[:, :-1]
+
+
 def policy_microbatch_loss(w, mb: dict, n_tokens: float, n_seqs: float):
     """The policy's share of the batch loss for one micro-batch, and its metrics as (sum, count) pairs."""
     import torch
-    logits = model_forward(w.model, mb, w.image_token)
-    logp, entropy = token_logprobs(logits, mb["ids"], mb["temperature"], True, w.media)
+    logp, entropy = step_logprobs(w, mb, True)
     mask = mb["mask"]
     old = mb["old"] if "old" in mb else logp.detach()
     loss_tok, st = policy_loss(w.cfg.algo, logp, old, mb["behaviour"], mb["adv"], mask, mb.get("ref"),
@@ -3168,7 +3226,7 @@ def policy_microbatch_loss(w, mb: dict, n_tokens: float, n_seqs: float):
 def value_microbatch_loss(w, mb: dict, n_tokens: float, n_seqs: float):
     """Clipped value loss 0.5 * max((V - R)^2, (V_old + clip(V - V_old) - R)^2), token-mean over the batch."""
     import torch
-    v = model_forward(w.model, mb, w.image_token)[:, :-1, 0].float()
+    v = step_values(w, mb)
     mask, ret, old = mb["mask"], mb["returns"], mb["values"]
     loss_tok = (v - ret) ** 2
     c = w.cfg.critic.value_clip
@@ -3191,8 +3249,7 @@ class Role:
 
 def sft_microbatch_loss(w, mb: dict, n_tokens: float, n_seqs: float):
     """Supervised fine-tuning: mean negative log-likelihood of the assistant tokens (mask) over the whole batch."""
-    logits = model_forward(w.model, mb, w.image_token)
-    logp, _ = token_logprobs(logits, mb["ids"], mb["temperature"], False, w.media)
+    logp, _ = step_logprobs(w, mb)
     nll = -(logp * mb["mask"]).sum()
     return nll / max(n_tokens, 1.0), {"loss/sft": (nll.detach(), float(mb["mask"].sum()))}
 
@@ -3259,7 +3316,10 @@ def build_hf(cfg: Config, path: str, role: str, vlm: bool, hf_config, world: int
     if ROLES[role].value:
         model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
     else:
-        model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_pretrained(path, dtype=torch.float32)
+        # packed rows need flash attention's varlen kernels on CUDA (check_launch); CPU tests pack through SDPA
+        attn = "flash_attention_2" if cuda and cfg.train.pack_samples else "sdpa"
+        model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_pretrained(
+            path, dtype=torch.float32, attn_implementation=attn)
     prepare_moe(model, hf_config, cfg.actor, role, cfg.train.routing_replay)  # before FSDP wraps the routers
     if cuda:
         model = model.cuda()
@@ -3275,6 +3335,31 @@ def build_hf(cfg: Config, path: str, role: str, vlm: bool, hf_config, world: int
             fully_shard(module, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mp_policy=mp, offload_policy=offload)
     return model
+
+
+def local_shard(t):
+    """An FSDP2 parameter's (or gradient's) shard on this rank, sharing its storage; a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def host_masters(params: list, cuda: bool) -> dict:
+    """--train.offload optimizer: {parameter: an fp32 copy of its shard in host memory (pinned for fast copies)}.
+    AdamW steps the copies, so its two moments (twice the parameters' bytes) are created and stay on the host."""
+    import torch
+    copies = {p: local_shard(p).detach().to("cpu", torch.float32, copy=True) for p in params}
+    return {p: m.pin_memory() for p, m in copies.items()} if cuda else copies
+
+
+def host_step(optim, masters: dict):
+    """One optimizer step on the host copies: gradients down, AdamW, new values up into the device shards."""
+    import torch
+    with torch.no_grad():
+        for p, m in masters.items():
+            m.grad = None if p.grad is None else local_shard(p.grad).to(m.device, m.dtype)
+        optim.step()
+        for p, m in masters.items():
+            local_shard(p).copy_(m)
+            m.grad = None
 
 
 def full_state(model):
@@ -3326,8 +3411,9 @@ class ModelWorker:
         from transformers import AutoProcessor, AutoTokenizer
         self.processing = (AutoProcessor if hasattr(hf, "vision_config") else AutoTokenizer).from_pretrained(self.path)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optim = torch.optim.AdamW(params, lr=self.spec.lr(self.cfg), betas=tuple(self.cfg.train.betas),
-                                       weight_decay=self.cfg.train.weight_decay)
+        self.masters = host_masters(params, cuda) if self.cfg.train.offload == "optimizer" else {}
+        self.optim = torch.optim.AdamW(list(self.masters.values()) or params, lr=self.spec.lr(self.cfg),
+                                       betas=tuple(self.cfg.train.betas), weight_decay=self.cfg.train.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.optim, lr_lambda(self.cfg.train, total_steps))
 
     def micro_batches(self, batch: list[Sample], plan, m: int) -> list[list[int]]:
@@ -3344,10 +3430,9 @@ class ModelWorker:
         with torch.no_grad():
             for m in range(len(plan)):
                 for idx in self.micro_batches(batch, plan, m):
-                    mb = collate(samples, idx, None, self.device, self.cfg.rollout.temperature)
-                    logits = model_forward(self.model, mb, self.image_token)
-                    vals = logits[:, :-1, 0].float() if self.spec.value else \
-                        token_logprobs(logits, mb["ids"], mb["temperature"], media=self.media)[0]
+                    mb = collate(samples, idx, None, self.device, self.cfg.rollout.temperature,
+                                 self.cfg.train.pack_samples)
+                    vals = step_values(self, mb) if self.spec.value else step_logprobs(self, mb)[0]
                     for j, i in enumerate(idx):
                         if i >= 0:
                             out[i] = vals[j, :len(samples[i].tokens) - 1].cpu().numpy()
@@ -3365,7 +3450,8 @@ class ModelWorker:
         for _ in range(self.cfg.train.epochs):
             for m in range(len(plan)):
                 for idx in self.micro_batches(batch, plan, m):
-                    mb = collate(batch, idx, inputs, self.device, self.cfg.rollout.temperature)
+                    mb = collate(batch, idx, inputs, self.device, self.cfg.rollout.temperature,
+                                 self.cfg.train.pack_samples)
                     loss, stats = self.spec.loss(self, mb, *counts[m])
                     (loss * self.world).backward()  # FSDP averages gradients over ranks; the loss is a global sum
                     self.keep_view(batch, idx)
@@ -3393,9 +3479,12 @@ class ModelWorker:
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm or float("inf"))
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        self.optim.step()
+        if self.masters:
+            host_step(self.optim, self.masters)
+        else:
+            self.optim.step()
         self.sched.step()
-        self.optim.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         return float(norm)
 
     def export_weights(self, bucket_mb: int, local: bool = True, store: bool = False) -> dict | None:
@@ -3424,8 +3513,12 @@ class ModelWorker:
         import torch
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
         full = dict(full_state(self.model))
-        optim = get_optimizer_state_dict(self.model, self.optim,
-                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        optim = None  # host copies (--train.offload optimizer) keep this rank's moments in a file of its own
+        if self.masters:
+            torch.save(self.optim.state_dict(), f"{out}/optim_rank{self.rank}.pt")
+        else:
+            optim = get_optimizer_state_dict(self.model, self.optim,
+                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         torch.save({"torch": torch.get_rng_state(), "random": random.getstate(), "numpy": np.random.get_state()},
                    f"{out}/rng_rank{self.rank}.pt")
         if self.rank == 0:  # config and generation config come with the model, chat template with the tokenizer
@@ -3438,8 +3531,14 @@ class ModelWorker:
         import torch
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
         state = torch.load(f"{ckpt}/trainer_state.pt", weights_only=False)
-        set_optimizer_state_dict(self.model, self.optim, state["optim"],
-                                 options=StateDictOptions(full_state_dict=True))
+        if (state["optim"] is None) != bool(self.masters):
+            raise RuntimeError(f"{ckpt} holds optimizer state saved {'with' if state['optim'] is None else 'without'}"
+                               " --train.offload optimizer: resume with the setting it was saved with")
+        if self.masters:
+            self.optim.load_state_dict(torch.load(f"{ckpt}/optim_rank{self.rank}.pt", weights_only=False))
+        else:
+            set_optimizer_state_dict(self.model, self.optim, state["optim"],
+                                     options=StateDictOptions(full_state_dict=True))
         self.sched.load_state_dict(state["sched"])
         rng = torch.load(f"{ckpt}/rng_rank{self.rank}.pt", weights_only=False)
         torch.set_rng_state(rng["torch"])

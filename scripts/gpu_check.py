@@ -6,12 +6,14 @@ one GPU. On a machine without CUDA it exits at once (status 2) saying so.
 Checks (each a subprocess with its own timeout, so one failure does not hide the others):
   train-dense    AutoModel FSDP2 train step on a random ~0.5B Qwen3 (bf16): tokens/s
   train-moe      the same on the small random MoE (tiny-moe)
+  packing        the 0.5B model's step with micro-batches packed into rows (--train.pack-samples under a token
+                 budget) vs 8 padded samples each, on lengths 144-1152: loss difference, tokens/s ratio, attention
   rollout        vLLM CUDA engine through Molt vs raw vLLM (scripts/bench_rollout.py): ratio
   weight-sync    a policy update into the engine on the 0.5B model: GB/s, and the engine/trainer log-prob gap (bf16)
   routing        routing capture -> replay (scripts/cuda_check_moe.py): expert mismatch with and without replay
   copy-task      `molt.py --agent agents/copy.py --target-reward 0.9`: steps and seconds to the target
   knob-*         each CUDA-only parallelism / memory flag in a 2-step copy-task run (train tp / cp / ep, sequence
-                 parallel, full offload, engine dp / expert parallel / MTP); one needing more GPUs than the machine
+                 parallel, full and optimizer offload, packed rows, engine dp / expert parallel / MTP); one needing more GPUs than the machine
                  has prints "skip" with the count (MTP also needs MOLT_MTP_MODEL: a model with an MTP head)
 """
 import argparse
@@ -44,7 +46,8 @@ def random_qwen3(hidden=896, layers=24) -> str:
     return out
 
 
-def samples(n=32, prompt=128, resp=256, seed=0):
+def samples(n=32, prompt=128, resp=256, seed=0, spread=False):
+    """n samples in groups of 8; spread: response lengths from 1/16 of resp to 4 x resp instead of all resp."""
     import random
 
     import molt
@@ -54,7 +57,8 @@ def samples(n=32, prompt=128, resp=256, seed=0):
         for k in range(8):
             s = molt.Sample(group_id=str(g), rollout_id=f"{g}-{k}", reward=float(rng.random() > 0.5))
             s.extend(p)
-            s.extend([rng.randrange(5, 100) for _ in range(resp)], [-4.6] * resp, [0] * resp)
+            r = rng.randint(resp // 16, 4 * resp) if spread else resp
+            s.extend([rng.randrange(5, 100) for _ in range(r)], [-4.6] * r, [0] * r)
             out.append(s)
     return out
 
@@ -81,6 +85,31 @@ def train(model: str):
     tokens = 3 * sum(len(s.tokens) for s in batch)
     import ray
     print(f"{tokens / (time.perf_counter() - t):.0f} tokens/s (model class from {ray.get(backend)})")
+
+
+def packing():
+    """Same batch, same initial weights: padded micro-batches of 8 vs packed rows under 8 x the mean length (flash
+    attention's varlen kernel when flash-attn is installed; the line names the attention that ran)."""
+    import ray
+
+    import molt
+    batch, results = samples(spread=True), {}
+    tokens = sum(len(s.tokens) for s in batch)
+    for budget in (0, 8 * tokens // len(batch)):
+        cfg = config()
+        cfg.train.max_tokens_per_micro_batch, cfg.train.pack_samples = budget, bool(budget)
+        molt.ray_init(cfg)
+        group = molt.ModelGroup(cfg, random_qwen3(), "policy", total_steps=10)
+        attn = ray.get(group.workers[0].__ray_call__.remote(lambda w: w.model.config._attn_implementation))
+        first = molt.learn(cfg, {"policy": group}, batch)
+        t = time.perf_counter()
+        molt.learn(cfg, {"policy": group}, batch)
+        results[bool(budget)] = (first["loss/policy"], tokens / (time.perf_counter() - t))
+        for w in group.workers:
+            ray.kill(w)
+    (l0, r0), (l1, r1) = results[False], results[True]
+    print(f"packed / padded tokens/s {r1 / r0:.2f} ({r1:.0f} vs {r0:.0f}); first-step loss difference "
+          f"{abs(l1 - l0):.2e}; attention {attn}")
 
 
 def weight_sync():
@@ -116,6 +145,7 @@ CHECKS = {
     "train-dense": [PY, __file__, "--inner", "train-dense"],
     "train-moe": [PY, __file__, "--inner", "train-moe"],
     "rollout": [PY, os.path.join(ROOT, "scripts", "bench_rollout.py"), "--rounds", "3"],
+    "packing": [PY, __file__, "--inner", "packing"],
     "weight-sync": [PY, __file__, "--inner", "weight-sync"],
     "routing": [PY, os.path.join(ROOT, "scripts", "cuda_check_moe.py")],
     "copy-task": [PY, os.path.join(ROOT, "molt.py"), "--agent", "agents/copy.py", "--target-reward", "0.9",
@@ -128,6 +158,8 @@ KNOBS = {
     "knob-train-cp": (3, ["--train.num-ranks", "2", "--train.cp-size", "2"]),
     "knob-train-ep": (3, ["--model", "tiny-moe", "--train.num-ranks", "2", "--train.ep-size", "2"]),
     "knob-offload": (3, ["--train.num-ranks", "2", "--train.offload", "full"]),
+    "knob-offload-opt": (2, ["--train.offload", "optimizer"]),
+    "knob-pack": (2, ["--train.pack-samples", "--train.max-tokens-per-micro-batch", "4096"]),
     "knob-engine-dp": (3, ["--engine.dp-size", "2"]),
     "knob-engine-ep": (2, ["--model", "tiny-moe", "--engine.expert-parallel"]),
     "knob-mtp": (2, ["--model", os.environ.get("MOLT_MTP_MODEL", ""), "--engine.mtp-tokens", "1"]),
@@ -135,7 +167,8 @@ KNOBS = {
 CHECKS.update({name: [PY, os.path.join(ROOT, "molt.py"), "--agent", "agents/copy.py", "--steps", "2", "--run-dir",
                        os.path.join(tempfile.gettempdir(), f"molt-gpu-check-{name}"), *flags]
                for name, (_, flags) in KNOBS.items()})
-INNER = {"train-dense": lambda: train("dense"), "train-moe": lambda: train("moe"), "weight-sync": weight_sync}
+INNER = {"train-dense": lambda: train("dense"), "train-moe": lambda: train("moe"), "packing": packing,
+         "weight-sync": weight_sync}
 
 
 def main(args):

@@ -90,7 +90,7 @@ def test_launch_refusals_that_need_the_cluster(tiny):
 def test_cuda_only_knobs_and_the_gpu_plan_are_checked_before_anything_starts(tiny):
     cfg = parse("--agent", COPY, "--train.num-ranks", 2, "--train.tp-size", 2, "--train.sequence-parallel",
                 "--engine.dp-size", 2, "--engine.expert-parallel", "--engine.mtp-tokens", 1,
-                "--no-engine.prefix-caching", "--train.offload", "full")
+                "--no-engine.prefix-caching", "--train.offload", "full", "--train.pack-samples")
     with pytest.raises(ValueError) as err:
         molt.check_launch(cfg, tiny, gpus=0)
     for flag in molt.CUDA_FLAGS:  # every one named, ep-size and cp-size excepted (not set here)
@@ -98,6 +98,11 @@ def test_cuda_only_knobs_and_the_gpu_plan_are_checked_before_anything_starts(tin
     assert molt.placement(cfg) == {"policy": 2, "engines": 2}
     with pytest.raises(ValueError, match=r"needs 4 GPUs \(policy 2, engines 2\) but the cluster has 3"):
         molt.check_launch(cfg, tiny, gpus=3)
+    packed = parse("--agent", COPY, "--train.pack-samples")
+    with pytest.raises(ValueError, match="flash attention's varlen kernels"):  # no flash-attn package here
+        molt.check_launch(packed, tiny, gpus=2)
+    with pytest.raises(ValueError, match="text models only"):
+        molt.check_launch(packed, molt.resolve_model("tiny-vl"), gpus=2)
     cfg.train.backend = "hf"  # tensor parallelism is AutoModel's
     with pytest.raises(ValueError, match="--train.tp-size, --train.sequence-parallel need the AutoModel backend"):
         molt.check_launch(cfg, tiny, gpus=4)

@@ -79,13 +79,24 @@ def test_partial_routing_replays_exactly_the_recorded_positions_after_padding(ti
     mb = molt.collate(rows, [0, 1], None, torch.device("cpu"))
     assert mb["routing"].shape == (2, T, 2, 2) and (mb["routing"][1, 9:] == -1).all()
     with torch.no_grad():
-        molt.model_forward(model, mb, None)
+        padded = molt.model_forward(model, mb, None)
     for r in routers:
         target = mb["routing"][:, :, r.molt_layer].reshape(-1, 2)
         have = (target >= 0).all(-1)
         assert have.sum() == 6 + 4
         assert torch.equal(r.molt_selected[have], target[have])
         assert torch.equal(r.molt_selected[~have], r.molt_live[~have])
+    # packed into one row of 12 + 9 tokens: the same positions replay the same experts, the logits agree
+    mb = molt.collate(rows, [0, 1], None, torch.device("cpu"), pack=True)
+    with torch.no_grad():
+        logits = molt.unpacked(molt.model_forward(model, mb, None), mb)
+    for r in routers:
+        target = molt.packed(mb["routing"], mb)[0, :, r.molt_layer]
+        have = (target >= 0).all(-1)
+        assert have.sum() == 6 + 4 and r.molt_selected.shape[0] == 21
+        assert torch.equal(r.molt_selected[have], target[have])
+    real = mb["attn"].bool()
+    assert torch.allclose(logits[real], padded[real], atol=1e-5)
 
 
 def test_fp32_router_computes_the_gate_in_fp32(tiny_moe):

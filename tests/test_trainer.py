@@ -74,30 +74,78 @@ def test_token_budget_packs_under_the_budget_longest_first():
     samples = skewed_samples()
     t = small_config(**{"train.max_tokens_per_micro_batch": 160}).train
     [[mine]] = molt.shard_plan(samples, 1, 1)
-    packs = molt.pack_micro_batches(samples, mine, t)
-    assert sorted(i for p in packs for i in p) == list(range(16))  # every sample once
-    for p in packs:
-        assert len(p) * max(len(samples[i].tokens) for i in p) <= 160, p
-    assert [len(p) for p in packs] == [2, 2, 2, 3, 4, 3]  # 80+75, 70+65, ...: the shorter, the more per batch
+    # lengths 80, 75, 70, ..., 12, 8: padded, count x longest fits the budget; packed, their sum (so more fit)
+    for one_row, sizes in ((False, [2, 2, 2, 3, 4, 3]), (True, [2, 2, 2, 3, 7])):
+        t.pack_samples = one_row
+        packs = molt.pack_micro_batches(samples, mine, t)
+        assert sorted(i for p in packs for i in p) == list(range(16))  # every sample once
+        assert [len(p) for p in packs] == sizes
+        for p in packs:
+            lengths = [len(samples[i].tokens) for i in p]
+            assert (sum(lengths) if one_row else len(p) * max(lengths)) <= 160, p
     t.max_tokens_per_micro_batch = 50
-    assert molt.pack_micro_batches(samples, mine, t)[0] == [mine[0]]  # an 80-token sample over the budget: alone
+    for t.pack_samples in (False, True):  # an 80-token sample over the budget: alone
+        assert molt.pack_micro_batches(samples, mine, t)[0] == [mine[0]]
+
+
+def test_a_packed_micro_batch_computes_what_the_padded_one_does(tiny):
+    """One row, positions restarting at each sample: every sample's log-probs, entropies (at per-token
+    temperatures), gradients and critic values equal the padded micro-batch's; none leaks into its neighbour."""
+    import types
+    from transformers import AutoModelForTokenClassification
+    samples = skewed_samples()[:6]
+    for s in samples:
+        s.temperatures = [None] * 4 + [0.7] * (len(s.tokens) - 4)
+    idx = [0, -1, 1, 2, 3, 4, 5]  # with a masked copy, as FSDP padding adds
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    w = types.SimpleNamespace(model=model, image_token=None, media=[])
+    model._molt_routers = []
+    out = {}
+    for pack in (False, True):
+        mb = molt.collate(samples, idx, None, torch.device("cpu"), 1.0, pack)
+        model.zero_grad()
+        logp, ent = molt.step_logprobs(w, mb, True)
+        ((logp * mb["mask"]).sum() + (ent * mb["mask"]).sum()).backward()
+        out[pack] = (logp * mb["mask"], ent * mb["mask"], {k: p.grad.clone() for k, p in model.named_parameters()})
+        if pack:
+            assert mb["pos"].shape[1] == sum(len(samples[max(i, 0)].tokens) for i in idx) < mb["ids"].numel()
+    assert out[True][0].abs().sum() > 0
+    assert torch.allclose(out[False][0], out[True][0], atol=1e-5)
+    assert torch.allclose(out[False][1], out[True][1], atol=1e-5)
+    for k, g in out[False][2].items():
+        assert torch.allclose(g, out[True][2][k], atol=1e-5, rtol=1e-4), k
+    # a sample's log-probs do not depend on what it is packed with (reversed order, other neighbours)
+    mb = molt.collate(samples, [3], None, torch.device("cpu"), 1.0, True)
+    alone = molt.step_logprobs(w, mb)[0] * mb["mask"]
+    assert torch.allclose(alone[0], out[True][0][4, :alone.shape[1]], atol=1e-5)
+    critic = AutoModelForTokenClassification.from_pretrained(tiny, num_labels=1, dtype=torch.float32)
+    critic._molt_routers = []
+    v = types.SimpleNamespace(model=critic, image_token=None, media=[])
+    values = [molt.step_values(v, molt.collate(samples, idx, None, torch.device("cpu"), 1.0, pack)) for pack in (0, 1)]
+    mask = molt.collate(samples, idx, None, torch.device("cpu")).get("attn")[:, 1:]
+    assert torch.allclose(values[0] * mask, values[1] * mask, atol=1e-5)
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_token_budget_step_equals_the_fixed_count_step(ray_cluster, tiny, ranks):
-    """Same batch (lengths over 10x), same step: 3 samples per micro-batch, or packed under 160 tokens (unequal
-    numbers of micro-batches per rank when sharded: the short rank runs masked copies)."""
+    """Same batch (lengths over 10x), same step: 3 samples per micro-batch; padded micro-batches under 160 tokens;
+    or packed rows under 160 (--train.pack-samples, CUDA-only at launch for speed, run here through SDPA's block
+    mask). Unequal numbers of micro-batches per rank when sharded: the short rank runs masked copies."""
     samples, results = skewed_samples(), []
-    for budget in (0, 160):
-        cfg, group = trainer(tiny, ranks, **{"train.max_tokens_per_micro_batch": budget})
+    for budget, pack in ((0, False), (160, False), (160, True)):
+        cfg = small_config(**{"train.num_ranks": ranks, "train.lr": 1e-2, "train.micro_batch_size": 3,
+                              "train.max_tokens_per_micro_batch": budget})
+        cfg.train.pack_samples = pack
+        group = molt.ModelGroup(cfg, tiny, "policy", total_steps=10)
         results.append((molt.learn(cfg, {"policy": group}, samples), weights(group)))
         for w in group.workers:
             ray_cluster.kill(w)
-    (m1, w1), (m2, w2) = results
-    assert m1["loss/policy"] == pytest.approx(m2["loss/policy"], abs=1e-5)
-    assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-4)
-    for k in w1:
-        assert torch.allclose(w1[k], w2[k], atol=1e-4), (k, float((w1[k] - w2[k]).abs().max()))
+    (m1, w1) = results[0]
+    for m2, w2 in results[1:]:
+        assert m1["loss/policy"] == pytest.approx(m2["loss/policy"], abs=1e-5)
+        assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-4)
+        for k in w1:
+            assert torch.allclose(w1[k], w2[k], atol=1e-4), (k, float((w1[k] - w2[k]).abs().max()))
 
 
 def engine_gap(ray_cluster, engine, group, version):
@@ -188,6 +236,50 @@ def test_checkpoint_resume_continues_weights_optimizer_and_schedule_exactly(ray_
     out = run(engine.generate.remote(molt.EngineRequest([5, 6], sampling={"max_tokens": 3, "ignore_eos": True})))
     assert len(out[0].ids) == 3
     for actor in [engine, *a.workers, *b_group.workers]:
+        ray_cluster.kill(actor)
+
+
+def test_optimizer_offload_steps_host_copies_and_resumes(ray_cluster, tiny, tmp_path):
+    """--train.offload optimizer (CUDA only at launch; its mechanics here on two CPU ranks, so FSDP2 shards): AdamW
+    steps fp32 host copies of each rank's shards and writes them back. Steps equal the plain optimizer's, the moments
+    belong to the copies, a checkpoint resumes exactly from its per-rank files, and one group cannot load the other
+    kind of optimizer state."""
+    import ray
+    batches = [make_samples(seed=k) for k in range(4)]
+    cfgs = {mode: small_config(**{"train.lr": 1e-2, "train.micro_batch_size": 3, "train.num_ranks": 2,
+                                  "train.offload": mode}) for mode in ("none", "optimizer")}
+    plain, off = (molt.ModelGroup(cfgs[m], tiny, "policy", total_steps=4) for m in ("none", "optimizer"))
+    for b in batches[:2]:
+        for g, m in ((plain, "none"), (off, "optimizer")):
+            molt.learn(cfgs[m], {"policy": g}, b)
+    w_plain, w_off = weights(plain), weights(off)
+    assert any(not torch.equal(w_off[k], v) for k, v in molt.load_file_state(tiny).items())  # it trained
+    for k in w_plain:
+        assert torch.allclose(w_plain[k], w_off[k], atol=1e-6), k
+
+    def where_moments(w):
+        own = {id(p) for p in w.model.parameters()}
+        return [(id(m) in own, tuple(m.shape) == tuple(molt.local_shard(p).shape), set(w.optim.state[m]))
+                for p, m in w.masters.items()]
+    for rank in ray.get([w.__ray_call__.remote(where_moments) for w in off.workers]):
+        assert rank and all(not is_param and shard and {"exp_avg", "exp_avg_sq"} <= keys
+                            for is_param, shard, keys in rank)
+    ckpt = molt.save_checkpoint(str(tmp_path), 2, {"policy": off}, {"step": 2}, keep=2)
+    assert {f.name for f in ckpt.glob("optim_rank*.pt")} == {"optim_rank0.pt", "optim_rank1.pt"}
+    with pytest.raises(ray.exceptions.RayTaskError, match="saved with --train.offload optimizer"):
+        plain.run("load", str(ckpt))
+    straight = []
+    for b in batches[2:]:
+        molt.learn(cfgs["optimizer"], {"policy": off}, b)
+        straight.append(weights(off))
+    resumed = molt.ModelGroup(cfgs["optimizer"], str(ckpt), "policy", total_steps=4)
+    resumed.run("load", str(ckpt))
+    for k, b in enumerate(batches[2:]):
+        molt.learn(cfgs["optimizer"], {"policy": resumed}, b)
+        w = weights(resumed)
+        for name in w:
+            assert torch.allclose(straight[k][name], w[name], atol=1e-6), (k, name)
+    for actor in [*plain.workers, *off.workers, *resumed.workers]:
         ray_cluster.kill(actor)
 
 
