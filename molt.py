@@ -50,6 +50,7 @@ import secrets
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import uuid
 import weakref
@@ -2616,7 +2617,6 @@ class RolloutManager:
     checkpoint, so a resume loses no finished group and re-issues every prompt that was in flight."""
 
     def __init__(self, cfg: Config, rows: list[dict], pools: list, state: dict | None = None, engines: list = ()):
-        capture_logs("rollout")
         self.cfg, self.rows, self.pools, self.engines = cfg, rows, pools, list(engines)
         state = state or {}
         self.epoch, self.cursor = state.get("epoch", 0), state.get("cursor", 0)
@@ -4439,8 +4439,19 @@ def launch(cfg: Config, rows: list[dict], data_id: str, ckpt: Path | None):
     ray.get([p.ping.remote() for p in pools])  # an agent module that fails to import fails the launch, clearly
     ray.get(engines_ready, timeout=cfg.engine.startup_timeout)
     rollout = resumed_rollout(ckpt, state.get("data") != data_id)
-    manager = ray.remote(RolloutManager).remote(cfg, rows, pools, rollout, engines) if engines else None
+    manager = RolloutManager(cfg, rows, pools, rollout, engines) if engines else None
+    if manager:  # on its own event-loop thread in the driver: one process and one copy of every batch fewer
+        manager.loop = asyncio.new_event_loop()
+        threading.Thread(target=manager.loop.run_forever, name="rollout", daemon=True).start()
     return step, engines, models, manager
+
+
+def rollout_call(manager: RolloutManager, method: str, *args):
+    """manager.method(*args) on the manager's event-loop thread (its state is only ever touched there), waited for."""
+    async def call():
+        out = getattr(manager, method)(*args)
+        return await out if asyncio.iscoroutine(out) else out
+    return asyncio.run_coroutine_threadsafe(call(), manager.loop).result()
 
 
 def resumed_rollout(ckpt: Path | None, data_changed: bool) -> dict | None:
@@ -4457,8 +4468,7 @@ def resumed_rollout(ckpt: Path | None, data_changed: bool) -> dict | None:
 
 def checkpoint(cfg: Config, step: int, models: dict, manager, data_id: str):
     """Save the models and the rollout state; molt_state.json says what the checkpoint holds."""
-    import ray
-    rollout = ray.get(manager.state.remote()) if manager else None
+    rollout = rollout_call(manager, "state") if manager else None
     summary = rollout and {"epoch": rollout["epoch"], "cursor": rollout["cursor"],
                            "finished_groups": len(rollout["finished"]), "in_flight": len(rollout["unfinished"])}
     save_checkpoint(cfg.run_dir, step, models, {"step": step, "data": data_id, "rollout": summary},
@@ -4554,13 +4564,12 @@ def sft_eval_loss(model: ModelGroup, evals: list[Sample]) -> float:
 
 
 def next_batch(cfg: Config, step: int, manager, offline) -> Batch | None:
-    import ray
     if offline:
         return next(offline, None)
     if fault("rollout", step=step + 1):  # the fault tests kill the run here, while the rollout is under way
-        state = ray.get(manager.state.remote())
+        state = rollout_call(manager, "state")
         freeze_for_kill(cfg.run_dir, "rollout", {"finished_groups": len(state["finished"])})
-    return ray.get(manager.get_batch.remote(step))
+    return rollout_call(manager, "get_batch", step)
 
 
 def main(argv=None):
@@ -4643,7 +4652,7 @@ def rl_main(cfg: Config):
         if cfg.dump_samples:
             dump_samples(cfg.run_dir, step, batch.samples)
         if eval_rows and cfg.eval.every and step % cfg.eval.every == 0:
-            metrics.update(ray.get(manager.evaluate.remote(eval_rows, cfg.eval.n_samples)))
+            metrics.update(rollout_call(manager, "evaluate", eval_rows, cfg.eval.n_samples))
         recent = (recent + [metrics["reward/mean"]])[-10:]
         done = step == cfg.steps or bool(cfg.target_reward and len(recent) == 10 and
                                          sum(recent) / 10 >= cfg.target_reward)
