@@ -4623,7 +4623,6 @@ def logged_errors(logs: Path, head: str) -> list[tuple[Path, str]]:
 
 
 def rl_main(cfg: Config):
-    import ray
     rows = load_rows(cfg.data.path, cfg.data) if not cfg.offline_samples else []
     data_id = data_fingerprint(rows)
     ckpt = setup_run_dir(cfg, data_id)
