@@ -4,10 +4,11 @@ Every program runs under bubblewrap (bwrap, the tool Flatpak uses): new user, pi
 namespaces; uid 65534 with no capabilities; a read-only view of only the system libraries and this Python's own
 installation; a private, size-capped scratch directory (a tmpfs of its own) and /tmp as its only writable places; its
 own /proc (it sees only its own processes), a minimal /dev, no host home, /root or /etc; an empty environment. Resource
-limits apply inside (CPU seconds, address space, processes, file size, open files); output is read in bounded chunks
-and cut at its cap while the program runs; a timeout kills every process in it (the pid namespace dies with its
-first process). Where bwrap is missing or user namespaces are refused, nothing runs: require() says how to get them.
-There is no weaker fallback, and nothing here relies on Python-level guards.
+limits apply inside (CPU seconds, address space, processes, file size, open files; as root, whom the kernel exempts
+from the process limit, a pids cgroup caps processes instead); output is read in bounded chunks and cut at its cap
+while the program runs; a timeout kills every process in it, and returns once they are gone (the pid namespace dies
+with its first process). Where bwrap is missing or user namespaces are refused, nothing runs: require() says how to get
+them. There is no weaker fallback, and nothing here relies on Python-level guards.
 
     run_python(code)                        -> what a model should see: stdout, or the error
     run_python(code, with_images=True)      -> (that text, the PNG images the code saved, size-checked)
@@ -16,6 +17,7 @@ There is no weaker fallback, and nothing here relies on Python-level guards.
                                                per call, with a hard deadline (the math grader's verifier)
 """
 import ast
+import contextlib
 import functools
 import io
 import json
@@ -43,6 +45,7 @@ NOBODY = "65534"
 # there, so the host's variables (API keys) must not reach bwrap at all, not only the program it starts
 BWRAP_ENV = {"PATH": "/usr/bin:/bin"}
 PROCESSES = 32  # processes (and threads) the program may have at once
+PIDS_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")  # cgroup v1's pids hierarchy, or v2 with pids enabled
 
 
 class SandboxUnavailable(RuntimeError):
@@ -58,7 +61,8 @@ HOW_TO = ("the sandbox runs model-written code only under bubblewrap with unpriv
 def _limits(side_w: int | None = None, side: int | None = None):
     """Applied in the child before bwrap starts; inherited by everything inside, where no capability lifts them.
     The process limit is set inside instead (prlimit, after the user namespace exists): set here, the kernel would
-    also count the host user's own processes against it. The side channel's pipe end becomes fd `side`."""
+    also count the host user's own processes against it (as root, which it exempts, a pids cgroup does it:
+    _pids_cgroup). The side channel's pipe end becomes fd `side`."""
     if side_w is not None and side_w != side:
         os.dup2(side_w, side)
         os.close(side_w)
@@ -98,13 +102,72 @@ def require():
     if _CHECKED:
         return
     try:
-        proc = subprocess.run(bwrap_argv() + ["/usr/bin/id", "-u"], capture_output=True, text=True, timeout=30,
-                              env=BWRAP_ENV)
-    except (OSError, subprocess.TimeoutExpired) as err:
+        stdout, stderr, _, code, stopped = _run(bwrap_argv() + ["/usr/bin/id", "-u"], b"", 30)
+    except (OSError, subprocess.SubprocessError) as err:
         raise SandboxUnavailable(f"{HOW_TO} ({err})") from None
-    if proc.returncode != 0 or proc.stdout.strip() != NOBODY:
-        raise SandboxUnavailable(f"{HOW_TO} (bwrap said: {proc.stderr.strip()[-300:]})")
+    if code != 0 or stdout.decode().strip() != NOBODY:
+        raise SandboxUnavailable(f"{HOW_TO} (bwrap said: {stopped or stderr.decode().strip()[-300:]})")
     _CHECKED.append(True)
+    for root in [r for r in PIDS_ROOTS if os.geteuid() == 0 and os.path.isdir(r)]:
+        for name in os.listdir(root):  # the empty cgroups of sandbox workers whose host process has exited
+            if name.startswith("molt-sandbox-") and not os.path.exists(f"/proc/{name.split('-')[2]}"):
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(root, name))
+
+
+def _pids_cgroup() -> str | None:
+    """A new pids cgroup for one sandbox, capped at PROCESSES plus bwrap and the namespace's first process; None where
+    prlimit's RLIMIT_NPROC holds by itself. As root it does not: the kernel exempts uid 0 from it, and the sandbox's
+    uid 65534 is uid 0 outside, so without the cgroup a fork bomb takes the host's pids until its deadline."""
+    if os.geteuid() != 0:
+        return None
+    name = f"molt-sandbox-{os.getpid()}-{os.urandom(6).hex()}"  # pids get reused, and stale names may linger
+    for root in PIDS_ROOTS:
+        path = os.path.join(root, name)
+        try:
+            os.mkdir(path)
+        except OSError:
+            continue
+        if os.path.exists(os.path.join(path, "pids.max")):  # made by the kernel: a cgroup with the pids controller
+            with open(os.path.join(path, "pids.max"), "w") as f:
+                f.write(str(PROCESSES + 2))
+            return path
+        os.rmdir(path)  # a plain directory (/sys/fs/cgroup is a tmpfs under v1), or a cgroup without pids
+    raise SandboxUnavailable(f"running as root, the sandbox caps processes with a pids cgroup, and none of "
+                             f"{', '.join(PIDS_ROOTS)} let it make one: mount cgroup v1's pids controller there, "
+                             f"enable pids in cgroup v2's subtree_control, or run Molt as a user other than root")
+
+
+def _spawn(argv: list[str], limits, **popen) -> subprocess.Popen:
+    """Popen argv (bwrap) in a session and a pids cgroup of its own, limits() applied in the child before it starts."""
+    cgroup = _pids_cgroup()
+    def preexec():
+        if cgroup:  # join before exec, so bwrap and everything it starts is counted
+            fd = os.open(os.path.join(cgroup, "cgroup.procs"), os.O_WRONLY)
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+        limits()
+    try:
+        proc = subprocess.Popen(argv, preexec_fn=preexec, start_new_session=True, env=BWRAP_ENV, **popen)
+    except BaseException:
+        if cgroup:
+            os.rmdir(cgroup)
+        raise
+    proc.cgroup = cgroup
+    return proc
+
+
+def _reap(proc: subprocess.Popen) -> int:
+    """Wait for bwrap and drop its cgroup. It is empty by then (_kill returns only once the namespace is gone), but
+    cgroup v1 may refuse the rmdir (EBUSY) for a few milliseconds after the last exit: seen here, so retry briefly."""
+    code = proc.wait()
+    for _ in range(100 if proc.cgroup else 0):
+        try:
+            os.rmdir(proc.cgroup)
+            break
+        except OSError:
+            time.sleep(0.01)
+    return code
 
 
 def _run(argv: list[str], stdin: bytes, timeout: float, side: int | None = None):
@@ -112,9 +175,8 @@ def _run(argv: list[str], stdin: bytes, timeout: float, side: int | None = None)
     keeping OUTPUT_BYTES of each and dropping the rest; the whole sandbox is killed at the deadline or past
     FLOOD_BYTES printed. -> (stdout, stderr, side bytes, exit code or None, why it was stopped or "")."""
     r, w = os.pipe() if side else (None, None)
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=functools.partial(_limits, w, side), pass_fds=(w, side) if side else (),
-                            start_new_session=True, env=BWRAP_ENV)
+    proc = _spawn(argv, functools.partial(_limits, w, side), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                  stderr=subprocess.PIPE, pass_fds=(w, side) if side else ())
     if side:
         os.close(w)
     threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True).start()
@@ -139,7 +201,7 @@ def _run(argv: list[str], stdin: bytes, timeout: float, side: int | None = None)
             stopped = f"saved more than {IMAGES_BYTES >> 20} MiB of images"
     if stopped:
         _kill(proc)
-    code = proc.wait()
+    code = _reap(proc)
     sel.close()
     for f in (proc.stdout, proc.stderr):
         f.close()
@@ -157,11 +219,26 @@ def _feed(pipe, data: bytes):
 
 
 def _kill(proc):
-    """bwrap and everything inside it: the pid namespace dies with its first process (--die-with-parent)."""
+    """Everything in the sandbox, gone by the time this returns. SIGKILL goes to bwrap's child, the pid namespace's
+    first process: the kernel kills the rest of the namespace and waits for them before that process exits, and bwrap
+    exits only after it. Killing bwrap first would return while --die-with-parent still tears the namespace down."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+            inits = [int(pid) for pid in f.read().split()]
+    except OSError:  # bwrap already gone
+        inits = []
+    for pid in inits:  # still bwrap's unreaped children, so these pids cannot have been reused
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=10 if inits else 0)
+    except subprocess.TimeoutExpired:  # bwrap had not forked yet, or is stuck: the old way
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 # Runs the model's code (read from stdin) in a fresh namespace; then, when asked, sends the PNG files it left in its
@@ -344,14 +421,16 @@ for line in sys.stdin:
     def start(self):
         require()
         argv = bwrap_argv() + [sys.executable, "-I", "-c", self.SERVER, self.setup]
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     preexec_fn=_server_limits, start_new_session=True, env=BWRAP_ENV)
+        self.proc = _spawn(argv, _server_limits, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL)
 
     def call(self, request: dict, timeout: float) -> dict:
         """handler(request) in a fresh fork: its answer, {"timeout": True} past the deadline, {"error": ...} if it
         raised."""
         with self.lock:
-            if self.proc is None or self.proc.poll() is not None:
+            if self.proc is not None and self.proc.poll() is not None:
+                self.close()  # it died: reap it and drop its cgroup
+            if self.proc is None:
                 self.start()
             line = json.dumps({"request": request, "timeout": timeout, "memory": self.memory}) + "\n"
             try:
@@ -368,7 +447,7 @@ for line in sys.stdin:
     def close(self):
         if self.proc is not None:
             _kill(self.proc)
-            self.proc.wait()
+            _reap(self.proc)
             self.proc = None
 
 

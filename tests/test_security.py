@@ -145,18 +145,30 @@ def marked(tag: str) -> list:
     return [p for p in psutil.process_iter(["cmdline"]) if tag in " ".join(p.info["cmdline"] or [])]
 
 
+def sandbox_cgroups() -> set:
+    return {(root, name) for root in sandbox.PIDS_ROOTS if os.path.isdir(root) for name in os.listdir(root)
+            if name.startswith("molt-sandbox-")}
+
+
 def test_a_fork_bomb_stays_inside_and_dies():
-    out = sandbox.run_python("import os\nwhile True:\n    try:\n        if os.fork() == 0:\n"
-                             "            os.execv('/bin/sleep', ['sleep', '977'])\n    except OSError:\n        pass",
-                             timeout=5)
-    time.sleep(0.5)
-    assert "timed out" in out and marked("sleep 977") == []
+    """Counted from the host while it runs: at most PROCESSES at once (as root that takes the pids cgroup, since the
+    kernel exempts root from RLIMIT_NPROC), none left when run_python returns, and no cgroup left behind."""
+    bomb = ("import os\nwhile True:\n    try:\n        if os.fork() == 0:\n"
+            "            os.execv('/bin/sleep', ['sleep', '977'])\n    except OSError:\n        pass")
+    result, counts, before = [], [], sandbox_cgroups()
+    run = threading.Thread(target=lambda: result.append(sandbox.run_python(bomb, timeout=5)))
+    run.start()
+    while run.is_alive():
+        counts.append(len(marked("sleep 977")))
+        time.sleep(0.2)
+    assert "timed out" in result[0] and marked("sleep 977") == []
+    assert 0 < max(counts) <= sandbox.PROCESSES, counts
+    assert sandbox_cgroups() <= before
 
 
 def test_a_timeout_kills_grandchildren_in_their_own_session():
     out = sandbox.run_python("import subprocess, time\nsubprocess.Popen(['sleep', '976'], start_new_session=True)\n"
                              "subprocess.Popen(['sh', '-c', '(sleep 975 &)'])\ntime.sleep(60)", timeout=3)
-    time.sleep(0.5)
     assert "timed out" in out and marked("sleep 976") == [] and marked("sleep 975") == []
 
 
