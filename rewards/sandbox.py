@@ -61,8 +61,8 @@ HOW_TO = ("the sandbox runs model-written code only under bubblewrap with unpriv
 def _limits(side_w: int | None = None, side: int | None = None):
     """Applied in the child before bwrap starts; inherited by everything inside, where no capability lifts them.
     The process limit is set inside instead (prlimit, after the user namespace exists): set here, the kernel would
-    also count the host user's own processes against it (as root, which it exempts, a pids cgroup does it:
-    _pids_cgroup). The side channel's pipe end becomes fd `side`."""
+    also count the host user's own processes against it (root is exempt from it: _pids_cgroup caps root's sandboxes).
+    The side channel's pipe end becomes fd `side`."""
     if side_w is not None and side_w != side:
         os.dup2(side_w, side)
         os.close(side_w)
@@ -228,17 +228,13 @@ def _kill(proc):
     except OSError:  # bwrap already gone
         inits = []
     for pid in inits:  # still bwrap's unreaped children, so these pids cannot have been reused
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     try:
         proc.wait(timeout=10 if inits else 0)
-    except subprocess.TimeoutExpired:  # bwrap had not forked yet, or is stuck: the old way
-        try:
+    except subprocess.TimeoutExpired:  # bwrap had not forked yet, or is stuck: kill bwrap itself
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 # Runs the model's code (read from stdin) in a fresh namespace; then, when asked, sends the PNG files it left in its
