@@ -981,6 +981,28 @@ def vllm_cpu_worker_in_core(cfg: Config) -> dict:
     return {"distributed_executor_backend": "uni"}
 
 
+def vllm_cpu_engine_core_by_fork():
+    """Assumes vLLM 0.32 on CPU, whose platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn, so the engine core starts
+    as a fresh interpreter that re-imports torch and vLLM: ~10 s of every start-up on 2 cores. Forked from this actor
+    (which has imported them and started no torch threads yet) it starts at once. The child must never touch Ray,
+    whose threads did not survive the fork, and must not outlive this actor: Ray reaps only what it spawned, and
+    _leave's os._exit runs no clean-up, so a thread in the child exits when its parent is gone."""
+    import multiprocessing
+    import vllm.v1.engine.utils as engine_utils
+    engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
+    os.register_at_fork(after_in_child=_die_with_parent)
+
+
+def _die_with_parent():
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="molt-die-with-parent").start()
+
+
 def media_tokens(hf_config) -> list[int]:
     """Image/video placeholder and bracket ids of a VLM. The policy must never sample them: each placeholder stands for
     pixels the training forward would not have. Engine and trainer both push their logits down by MEDIA_BIAS."""
@@ -1000,6 +1022,8 @@ class EngineActor:
         text = getattr(hf, "text_config", hf)
         self.vocab_size, self.image_token = text.vocab_size, getattr(hf, "image_token_id", None)
         self.media_bias = {t: MEDIA_BIAS for t in media_tokens(hf)}
+        if not _cuda():
+            vllm_cpu_engine_core_by_fork()
         self.engine = AsyncLLM.from_engine_args(engine_args(cfg, model_path, index))
         self.resumed = asyncio.Event()
         self.resumed.set()

@@ -220,7 +220,7 @@ def kill_engine_core(actor):
     import psutil
     import ray
     pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
-    [core] = [p for p in psutil.Process(pid).children(recursive=True) if "EngineCore" in " ".join(p.cmdline() + [p.name()])]
+    [core] = psutil.Process(pid).children()  # vLLM's engine core, forked from the actor (molt.vllm_cpu_engine_core_by_fork)
     core.kill()
 
 

@@ -27,7 +27,26 @@ def molt(*args, faults="", timeout=900, ok=True, cwd=ROOT):
     proc = subprocess.run(command(*args), cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "MOLT_FAULTS": faults})
     assert (proc.returncode == 0) == ok, proc.stderr[-5000:]
+    if "--run-dir" in args:  # whatever way it ended, no process of the run outlives it (an engine core above all)
+        alive = left_behind(Path(args[args.index("--run-dir") + 1]))
+        assert not alive, f"processes of the run outlived it: {alive}"
     return proc
+
+
+def left_behind(run_dir: Path, grace=15.0) -> list:
+    """Processes of the run still alive `grace` s after it ended: its actors carry MOLT_LOG_DIR=<run>/logs."""
+    logs, deadline = str((run_dir / "logs").resolve()), time.time() + grace
+    while True:
+        alive = []
+        for p in psutil.process_iter():
+            try:
+                if p.environ().get("MOLT_LOG_DIR") == logs:
+                    alive.append(p)
+            except psutil.Error:
+                pass
+        if not alive or time.time() > deadline:
+            return [p.pid for p in alive]
+        time.sleep(0.5)
 
 
 def killed_at(run_dir: Path, point: str, *args, faults: str, timeout=900):
