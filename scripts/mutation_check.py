@@ -166,6 +166,9 @@ MUTATIONS = [
     ("no-watchdog", "faults: the trainer waits forever for a stalled rollout",
      "await asyncio.wait_for(self.changed.wait(), max(left, 0))", "await self.changed.wait()",
      [f"{FA}::test_a_stalled_rollout_ends_the_run_with_a_message"]),
+    ("orphan-engine-core", "faults: a forked engine core outlives an engine actor that left the run",
+     "    os.register_at_fork(after_in_child=_die_with_parent)", "    pass",
+     [f"{FA}::test_a_failed_weight_update_never_mislabels_a_token"]),
     # -- server under hostile input, SFT, micro-batching, placement -------------------------------------------------
     ("json-surrogates", "server: a lone UTF-16 surrogate reaches the tokenizer (a 500)",
      '        elif isinstance(v, str) and not v.isascii():', '        elif False:',
