@@ -984,9 +984,9 @@ def vllm_cpu_worker_in_core(cfg: Config) -> dict:
 def vllm_cpu_engine_core_by_fork():
     """Assumes vLLM 0.32 on CPU, whose platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn, so the engine core starts
     as a fresh interpreter that re-imports torch and vLLM: ~10 s of every start-up on 2 cores. Forked from this actor
-    (which has imported them and started no torch threads yet) it starts at once. The child must never touch Ray,
-    whose threads did not survive the fork, and must not outlive this actor: Ray reaps only what it spawned, and
-    _leave's os._exit runs no clean-up, so a thread in the child exits when its parent is gone."""
+    (which has imported them) it starts at once. The child must never touch Ray, whose threads did not survive the
+    fork, and must not outlive this actor: without the watch below, the core of an engine that _leave()s (os._exit,
+    no clean-up) kept running after its run (tests/test_faults.py's failed-update test), so it exits with its parent."""
     import multiprocessing
     import vllm.v1.engine.utils as engine_utils
     engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
