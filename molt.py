@@ -507,6 +507,13 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def cluster_gpus() -> float:
+    """The Ray cluster's GPUs, which actors are placed on (the driver's node may have none; nor need the driver import
+    torch, a second of start-up, before it launches them)."""
+    import ray
+    return ray.cluster_resources().get("GPU", 0)
+
+
 MEDIA_BIAS = -100.0  # logit bias on image/video placeholder ids, in the engine and in the trainer alike (§4, §9)
 LOG_RATIO_CLAMP = 30.0  # |log ratio| cap before exp(): exp(30) ~ 1e13 is finite in fp32; beyond, ratios carry no signal
 
@@ -948,6 +955,7 @@ def engine_args(cfg: Config, model_path: str, index: int):
               enforce_eager=cfg.engine.enforce_eager, dtype=cfg.engine.dtype if cfg.engine.dtype != "auto" else
               ("bfloat16" if cuda else "float32"),
               logprobs_mode="processed_logprobs",  # after temperature: what the trainer recomputes
+              disable_log_stats=True,
               worker_extension_cls="molt.EngineWorker",
               enable_return_routed_experts=cfg.train.routing_replay or cfg.train.routing_capture)
     if cuda:
@@ -993,6 +1001,15 @@ def vllm_cpu_engine_core_by_fork():
     os.register_at_fork(after_in_child=_die_with_parent)
 
 
+def vllm_cpu_no_compile():
+    """Assumes vLLM 0.32 on CPU: even under enforce_eager its sampler torch.compiles helpers (the sampled token's rank
+    among the log-probs; top-k / top-p) with inductor on their first call, so every engine's first rollout waited
+    ~1.5 s for C++ compilation. With dynamo off in the engine's processes (the core is forked from this one) they run
+    eagerly and compute the same values."""
+    import torch._dynamo
+    torch._dynamo.config.disable = True
+
+
 def _die_with_parent():
     parent = os.getppid()
 
@@ -1024,6 +1041,8 @@ class EngineActor:
         self.media_bias = {t: MEDIA_BIAS for t in media_tokens(hf)}
         if not _cuda():
             vllm_cpu_engine_core_by_fork()
+            if cfg.engine.enforce_eager:
+                vllm_cpu_no_compile()
         self.engine = AsyncLLM.from_engine_args(engine_args(cfg, model_path, index))
         self.resumed = asyncio.Event()
         self.resumed.set()
@@ -1224,7 +1243,7 @@ def ray_init(cfg: Config):
 def launch_engines(cfg: Config, model_path: str, version: int = 0):
     """Start the engine actors; returns (engines, refs that resolve once each engine is ready)."""
     import ray
-    gpus = cfg.engine.tp_size * cfg.engine.dp_size if _cuda() else 0
+    gpus = cfg.engine.tp_size * cfg.engine.dp_size if cluster_gpus() else 0
     actor = ray.remote(EngineActor).options(num_cpus=1, num_gpus=gpus,
                                             max_concurrency=100_000)
     engines = [actor.remote(cfg, model_path, i) for i in range(cfg.engine.num_engines)]
@@ -1385,15 +1404,15 @@ class Codec:
     """Chat template, tokenizer and (for a VLM) processor of one model."""
 
     def __init__(self, model_path: str):
-        from collections import OrderedDict
-
-        from transformers import AutoProcessor, AutoTokenizer
+        from transformers import AutoTokenizer
         self.processor = None
-        if is_vlm(model_path):
+        if is_vlm(model_path):  # (AutoProcessor imports torchvision and torch's compiler: 1.4 s, for VLMs only)
+            from transformers import AutoProcessor
             self.processor = AutoProcessor.from_pretrained(model_path)
         self.tokenizer = self.processor.tokenizer if self.processor else AutoTokenizer.from_pretrained(model_path)
-        self.text_ids: OrderedDict[str, list[int]] = OrderedDict()  # prompts a group shares, bounded in characters
-        self.cached_chars = 0
+        # the n episodes of a group render and tokenize the same prompt: do each once (jinja rendering was a fifth of
+        # an agent pool's time on the copy task)
+        self.rendered, self.text_ids = TextCache(), TextCache()
         source = (self.processor or self.tokenizer).chat_template
         self.template_vars = template_variables(source) - TEMPLATE_RESERVED
         self.probe_base = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": PROBE}],
@@ -1403,9 +1422,17 @@ class Codec:
     def render(self, messages: list[dict], tools=None, generation=True, **template) -> str:
         """The chat template's text; template holds extra template variables (e.g. enable_thinking): those the
         template does not read are dropped, as vLLM does, and none can override what render itself passes."""
-        return (self.processor or self.tokenizer).apply_chat_template(
-            template_messages(messages), tools=tools or None, tokenize=False, add_generation_prompt=generation,
-            **{k: v for k, v in template.items() if k in self.template_vars})
+        msgs, extra = template_messages(messages), {k: v for k, v in template.items() if k in self.template_vars}
+        try:
+            key = json.dumps([msgs, tools, generation, extra])
+        except (TypeError, ValueError):  # not JSON (a tool given as an object): rendered, not cached
+            key = None
+        text = self.rendered.get(key)
+        if text is None:
+            text = (self.processor or self.tokenizer).apply_chat_template(
+                msgs, tools=tools or None, tokenize=False, add_generation_prompt=generation, **extra)
+            self.rendered.put(key, text, len(text))
+        return text
 
     def encode(self, text: str, images: list | None = None) -> tuple[list[int], dict | None]:
         """(ids, processor tensors for the images or None)."""
@@ -1414,14 +1441,10 @@ class Codec:
                 raise ValueError("images were given but the model is text-only")
             out = self.processor(text=[text], images=images, return_tensors="pt")
             return out["input_ids"][0].tolist(), {k: out[k] for k in ("pixel_values", "image_grid_thw") if k in out}
-        if text in self.text_ids:  # the n episodes of a group share their prompt: tokenize it once
-            self.text_ids.move_to_end(text)
-            return list(self.text_ids[text]), None
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(text) <= CACHED_TEXT_CHARS:
-            self.text_ids[text], self.cached_chars = ids, self.cached_chars + len(text)
-            while self.cached_chars > CACHE_CHARS:
-                self.cached_chars -= len(self.text_ids.popitem(last=False)[0])
+        ids = self.text_ids.get(text)
+        if ids is None:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            self.text_ids.put(text, ids)
         return list(ids), None
 
     async def encode_async(self, text: str, images: list | None = None):
@@ -1459,7 +1482,31 @@ class Codec:
         return head, middle, tail[:len(tail) - len(self.turn_suffix)] if tail.endswith(self.turn_suffix) else tail
 
 
-CACHED_TEXT_CHARS, CACHE_CHARS = 64 << 10, 16 << 20  # the tokenizer cache: texts up to 64 Ki chars, 16 Mi in all
+CACHED_TEXT_CHARS, CACHE_CHARS = 64 << 10, 16 << 20  # the codec's caches: keys up to 64 Ki chars, 16 Mi in all
+
+
+class TextCache:
+    """Least recently used values under text keys, bounded in characters (keys, plus the size put() is told of each
+    value); a key over CACHED_TEXT_CHARS is not kept (a long history is unique: it is rendered once anyway)."""
+
+    def __init__(self):
+        from collections import OrderedDict
+        self.items: OrderedDict[str, tuple[Any, int]] = OrderedDict()  # key -> (value, characters it counts)
+        self.chars = 0
+
+    def get(self, key: str | None):
+        if key not in self.items:
+            return None
+        self.items.move_to_end(key)
+        return self.items[key][0]
+
+    def put(self, key: str | None, value, size: int = 0):
+        if key is None or len(key) > CACHED_TEXT_CHARS or key in self.items:
+            return
+        self.items[key] = (value, len(key) + size)
+        self.chars += len(key) + size
+        while self.chars > CACHE_CHARS:
+            self.chars -= self.items.popitem(last=False)[1][1]
 
 
 class TextStream:
@@ -2739,13 +2786,14 @@ class RolloutManager:
 
     async def get_batch(self, version: int) -> Batch:
         """The next batch_size groups, none older than rollout.max_staleness versions behind `version`."""
-        ro, since = self.cfg.rollout, time.monotonic()
+        ro, since, checked = self.cfg.rollout, time.monotonic(), 0
         self.waiting += 1
         self.fill()
-        while True:
-            fresh = [g for g in self.finished if version - min(oldest_version(s) for s in g) <= ro.max_staleness]
-            self.count("rollout/dropped/stale", len(self.finished) - len(fresh))
-            self.finished = fresh
+        while True:  # groups only ever join the end of self.finished, so each is checked against `version` once
+            fresh = [g for g in self.finished[checked:] if version - min(map(oldest_version, g)) <= ro.max_staleness]
+            self.count("rollout/dropped/stale", len(self.finished) - checked - len(fresh))
+            self.finished = self.finished[:checked] + fresh
+            checked = len(self.finished)
             if len(self.finished) >= ro.batch_size:
                 break
             if self.fatal is not None:
@@ -3141,8 +3189,11 @@ def collate(samples: list[Sample], idx: list[int], inputs: TrainInputs | None, d
     rows = [samples[i] if i >= 0 else samples[0] for i in idx]
     T = max(len(s.tokens) for s in rows)
 
-    def pad(values, fill, dtype, n=T):
-        return torch.tensor([list(v) + [fill] * (n - len(v)) for v in values], dtype=dtype, device=device)
+    def pad(values, fill, dtype, n=T):  # rows of lists or arrays -> [len(values), n]
+        out = np.full((len(values), n), fill, dtype=np.int64 if dtype == torch.long else np.float32)
+        for j, v in enumerate(values):
+            out[j, :len(v)] = v
+        return torch.from_numpy(out).to(device)
     mb = {"ids": pad([s.tokens for s in rows], 0, torch.long),
           "attn": pad([[1] * len(s.tokens) for s in rows], 0, torch.long),
           "mask": pad([s.mask[1:] if i >= 0 else [0] * (len(s.tokens) - 1) for s, i in zip(rows, idx)], 0,
@@ -3576,7 +3627,7 @@ class ModelGroup:
     def __init__(self, cfg: Config, model_path: str, role: str, total_steps: int):
         import ray
         n = cfg.train.num_ranks if ROLES[role].sharded else 1
-        actor = ray.remote(ModelWorker).options(num_cpus=1, num_gpus=1 if _cuda() else 0)
+        actor = ray.remote(ModelWorker).options(num_cpus=1, num_gpus=1 if cluster_gpus() else 0)
         self.workers = [actor.remote(cfg, model_path, role, r, n) for r in range(n)]
         addr, port = ray.get(self.workers[0].address.remote())
         ray.get([w.setup.remote(addr, port, total_steps) for w in self.workers])
@@ -4455,18 +4506,20 @@ def launch(cfg: Config, rows: list[dict], data_id: str, ckpt: Path | None):
     model_path = resolve_model(cfg.model)
     state = json.loads((ckpt / "molt_state.json").read_text()) if ckpt else {}
     step = state.get("step", 0)
-    check_launch(cfg, model_path, ray.cluster_resources().get("GPU", 0))
+    check_launch(cfg, model_path, cluster_gpus())
     engines, engines_ready = ([], []) if cfg.offline_samples else \
         launch_engines(cfg, str(ckpt) if ckpt else model_path, step)
     pools = launch_pools(cfg, model_path, engines) if engines else []
     models = launch_models(cfg, model_path, ckpt)
     ray.get([p.ping.remote() for p in pools])  # an agent module that fails to import fails the launch, clearly
+    import torch  # noqa: F401 - the first step needs it here (advantages): imported while the engines still load
     ray.get(engines_ready, timeout=cfg.engine.startup_timeout)
     rollout = resumed_rollout(ckpt, state.get("data") != data_id)
     manager = RolloutManager(cfg, rows, pools, rollout, engines) if engines else None
     if manager:  # on its own event-loop thread in the driver: one process and one copy of every batch fewer
         manager.loop = asyncio.new_event_loop()
         threading.Thread(target=manager.loop.run_forever, name="rollout", daemon=True).start()
+        manager.loop.call_soon_threadsafe(manager.fill)  # async runs start sampling while the loop sets up
     return step, engines, models, manager
 
 

@@ -394,4 +394,5 @@ def test_unrecorded_calls_and_rejected_turns_leave_nothing_behind(engine, tiny):
             return srv.pool.router.sticky, srv.pool.codec, srv.session.segments
     sticky, codec, segments = run(main())
     assert sticky == {} and segments == []  # no judge call left an entry; no refused turn touched the session
-    assert codec.cached_chars <= molt.CACHE_CHARS and max(map(len, codec.text_ids)) < molt.CACHED_TEXT_CHARS
+    for cache in (codec.text_ids, codec.rendered):
+        assert cache.chars <= molt.CACHE_CHARS and max(map(len, cache.items)) <= molt.CACHED_TEXT_CHARS
