@@ -1406,7 +1406,7 @@ class Codec:
     def __init__(self, model_path: str):
         from transformers import AutoTokenizer
         self.processor = None
-        if is_vlm(model_path):  # (AutoProcessor imports torchvision and torch's compiler: 1.4 s, for VLMs only)
+        if is_vlm(model_path):  # (AutoProcessor imports torchvision and torch's compiler: ~0.4 s, VLMs only)
             from transformers import AutoProcessor
             self.processor = AutoProcessor.from_pretrained(model_path)
         self.tokenizer = self.processor.tokenizer if self.processor else AutoTokenizer.from_pretrained(model_path)
@@ -3462,13 +3462,14 @@ class ModelWorker:
             sock.bind(("", 0))
             return ray.util.get_node_ip_address(), sock.getsockname()[1]
 
-    def setup(self, addr: str, port: int, total_steps: int):
+    def setup(self, where: tuple[str, int], total_steps: int):
         import torch
         import torch.distributed as dist
         from transformers import AutoConfig
         cuda = _cuda()
         if not cuda:
             torch.set_num_threads(1)  # tiny models step ~20x faster than with 2 threads on these machines
+        addr, port = where
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{addr}:{port}", rank=self.rank,
                                 world_size=self.world)
         torch.manual_seed(self.cfg.seed)
@@ -3483,8 +3484,11 @@ class ModelWorker:
             return
         # the tokenizer (or processor) travels with every checkpoint; read now: the source may be a hub id, or a
         # checkpoint rotated away by the time this run saves its own
-        from transformers import AutoProcessor, AutoTokenizer
-        self.processing = (AutoProcessor if hasattr(hf, "vision_config") else AutoTokenizer).from_pretrained(self.path)
+        if hasattr(hf, "vision_config"):  # (AutoProcessor imports torchvision: for VLMs only)
+            from transformers import AutoProcessor as Processing
+        else:
+            from transformers import AutoTokenizer as Processing
+        self.processing = Processing.from_pretrained(self.path)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.masters = host_masters(params, cuda) if self.cfg.train.offload == "optimizer" else {}
         self.optim = torch.optim.AdamW(list(self.masters.values()) or params, lr=self.spec.lr(self.cfg),
@@ -3624,14 +3628,18 @@ class ModelWorker:
 class ModelGroup:
     """The ranks of one role's model, driven from the main loop."""
 
-    def __init__(self, cfg: Config, model_path: str, role: str, total_steps: int):
+    def __init__(self, cfg: Config, model_path: str, role: str, total_steps: int, wait: bool = True):
+        """wait=False returns at once; ray.get(group.ready) then waits for every rank to have built its model (so
+        several groups load at the same time)."""
         import ray
         n = cfg.train.num_ranks if ROLES[role].sharded else 1
         actor = ray.remote(ModelWorker).options(num_cpus=1, num_gpus=1 if cluster_gpus() else 0)
         self.workers = [actor.remote(cfg, model_path, role, r, n) for r in range(n)]
-        addr, port = ray.get(self.workers[0].address.remote())
-        ray.get([w.setup.remote(addr, port, total_steps) for w in self.workers])
+        where = self.workers[0].address.remote()  # rank 0's (host, port): Ray hands it to every rank's setup
+        self.ready = [w.setup.remote(where, total_steps) for w in self.workers]
         self.world = n
+        if wait:
+            ray.get(self.ready)
 
     def run(self, method: str, *args) -> list:
         import ray
@@ -4487,12 +4495,14 @@ def launch_pools(cfg: Config, model_path: str, engines: list) -> list:
 
 def launch_models(cfg: Config, model_path: str, ckpt: Path | None) -> dict:
     """The policy, and the reference / critic the algorithm needs, resumed from ckpt when given."""
+    import ray
     total = cfg.steps * cfg.train.mini_batches * cfg.train.epochs
-    models = {"policy": ModelGroup(cfg, str(ckpt) if ckpt else model_path, "policy", total)}
+    models = {"policy": ModelGroup(cfg, str(ckpt) if ckpt else model_path, "policy", total, wait=False)}
     if cfg.ref.model:
-        models["ref"] = ModelGroup(cfg, resolve_model(cfg.ref.model), "ref", 1)
+        models["ref"] = ModelGroup(cfg, resolve_model(cfg.ref.model), "ref", 1, wait=False)
     if ESTIMATORS[cfg.algo.estimator].critic:
-        models["critic"] = ModelGroup(cfg, str(ckpt / "critic") if ckpt else model_path, "critic", total)
+        models["critic"] = ModelGroup(cfg, str(ckpt / "critic") if ckpt else model_path, "critic", total, wait=False)
+    ray.get([ref for group in models.values() for ref in group.ready])  # the groups load at the same time
     for role, sub in CHECKPOINTED.items():
         if ckpt and role in models:
             models[role].run("load", str(ckpt / sub))
