@@ -255,3 +255,27 @@ def test_a_coalesced_request_survives_a_cancelled_member(engine):
         return await asyncio.wait_for(b, 120)
     [c] = run(main())
     assert len(c.ids) == 200 and router.inflight == [0]
+
+
+def test_start_up_holds_the_collector_off_then_freezes_what_it_built():
+    import gc
+    seen = {}
+
+    @molt.start_up
+    def build(fail=False):
+        seen["collecting"] = gc.isenabled()
+        cycle = []
+        cycle.append(cycle)
+        seen["built"] = cycle
+        if fail:
+            raise RuntimeError("start-up failed")
+        return "built"
+    frozen = gc.get_freeze_count()
+    try:
+        assert build() == "built" and seen["collecting"] is False and gc.isenabled()
+        assert gc.get_freeze_count() > frozen  # what it built is out of later collections
+        with pytest.raises(RuntimeError):
+            build(fail=True)
+        assert gc.isenabled()  # a failed start-up leaves the collector on too
+    finally:
+        gc.unfreeze()
