@@ -1001,6 +1001,8 @@ def vllm_cpu_engine_core_by_fork():
     engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
     os.register_at_fork(after_in_child=_die_with_parent)
     os.register_at_fork(after_in_child=gc.enable)  # forked inside the actor's start_up, which holds it off
+    gc.collect()  # and frozen before the fork, the child's collections neither walk nor copy the imported heap
+    gc.freeze()
 
 
 def vllm_cpu_no_compile():
