@@ -181,6 +181,15 @@ def two_engines(ray_cluster, engine, tiny):
 def test_router_affinity_and_spread(two_engines):
     router = molt.Router(two_engines)
 
+    async def affinity():  # a later turn stays on its rollout's engine even when that engine is the busier one
+        await router.generate(molt.EngineRequest(PROMPT + [19], sampling=sampled(4)), "r")  # both idle: engine 0
+        busy = asyncio.ensure_future(router.generate(molt.EngineRequest(PROMPT + [18], sampling=sampled(256)), "b"))
+        await asyncio.sleep(0)  # "b" is now in flight on the least-loaded engine, 0 again
+        picks = router.pick("r"), router.pick("b"), router.pick("fresh")
+        await router.generate(molt.EngineRequest(PROMPT + [19, 20], sampling=sampled(4)), "r")
+        await busy
+        return picks
+
     async def session(i):
         picks = []
         for _ in range(3):  # three turns of one rollout
@@ -188,14 +197,17 @@ def test_router_affinity_and_spread(two_engines):
             await router.generate(molt.EngineRequest(PROMPT + [20 + i], sampling=sampled(8)), f"rollout-{i}")
         return picks
 
-    async def main():  # distinct prompts, so the router does not coalesce them into one n=8 request
+    async def spread():  # distinct prompts, so the router does not coalesce them into one n=8 request
         return await asyncio.gather(*[session(i) for i in range(8)])
 
     before = [run(e.stats.remote())["requests"] for e in two_engines]
-    picks = run(main())
+    assert run(affinity()) == (0, 0, 1)  # a new rollout goes to the idle engine; "r" follows its first turn
+    middle = [run(e.stats.remote())["requests"] for e in two_engines]
+    assert [m - b for m, b in zip(middle, before)] == [3, 0]  # both turns of "r" and all of "b" ran on engine 0
+    picks = run(spread())
     after = [run(e.stats.remote())["requests"] for e in two_engines]
     assert all(len(set(p)) == 1 for p in picks)  # every turn of a rollout on one engine
-    served = [a - b for a, b in zip(after, before)]
+    served = [a - m for a, m in zip(after, middle)]
     assert min(served) >= 6, served  # 24 requests spread over both engines
 
 
