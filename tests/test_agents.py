@@ -86,6 +86,19 @@ class ThreeTurns(molt.Env):
         return molt.Result(reward=0.5, observation=f"turn {self.turn}: the ab", terminated=self.turn == 3)
 
 
+def test_the_codec_renders_what_the_template_renders_whatever_it_cached(tiny):
+    """The render cache never answers one render with another's: the generation prompt and the template variables
+    are part of what was rendered (the n episodes of a group hit the cache; a client's request need not)."""
+    codec, tok = molt.Codec(tiny), tokenizer(tiny)
+    msgs = [{"role": "user", "content": "copy: 7"}, {"role": "assistant", "content": "7"}]
+    seen = set()
+    for generation, extra in [(True, {}), (False, {}), (True, {"enable_thinking": False}), (True, {}), (False, {})]:
+        text = codec.render(msgs, generation=generation, **extra)
+        assert text == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation, **extra)
+        seen.add(text)
+    assert len(seen) == 3  # three different renders, so a key missing either part would have answered wrongly
+
+
 def test_env_engine_input_is_the_rendered_conversation_with_the_sampled_ids(engine, tiny):
     async def main():
         pool = make_pool(engine, tiny)
