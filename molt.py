@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import base64
 import dataclasses
 import hashlib
@@ -1259,12 +1260,37 @@ def ray_init(cfg: Config):
     quiet = bool(cfg.run_dir) and not cfg.verbose
     if quiet:
         env["MOLT_LOG_DIR"] = str(Path(cfg.run_dir, "logs").resolve())
-    kw = dict(runtime_env={"env_vars": env}, include_dashboard=False, logging_level="ERROR" if quiet else "WARNING",
-              log_to_driver=not quiet)
+    kw = dict(include_dashboard=False, logging_level="ERROR" if quiet else "WARNING", log_to_driver=not quiet)
     if cfg.ray_address:
-        ray.init(address=cfg.ray_address, **kw)
-    else:  # logical CPUs are bookkeeping: more than cores, or actors wait for each other forever
+        ray.init(address=cfg.ray_address, runtime_env={"env_vars": env}, **kw)
+        return
+    # A local cluster's raylet, and so every worker, inherits this process's environment at ray.init. A job
+    # runtime_env instead would keep the workers Ray prestarts from hosting our actors: each actor would start a
+    # fresh interpreter (3 actors ready in 1.3 s instead of 0.5 s, measured here).
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:  # logical CPUs are bookkeeping: more than cores, or actors wait for each other forever
         ray.init(num_cpus=max(32, 4 * (os.cpu_count() or 1)), **kw)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    atexit.register(stop_local_ray, not quiet)  # runs before Ray's own exit handler, which then has nothing to do
+
+
+def stop_local_ray(linger: bool):
+    """At exit, the local cluster's shutdown without its waits. Assumes Ray 2.60, whose ray.shutdown() at exit first
+    sleeps 0.5 s for workers' log lines still on their way to the console (only when they go there: linger), then gives
+    each of its processes 1 s to exit on SIGTERM; the autoscaler's monitor, idle on a one-node cluster, takes the whole
+    second every time before Ray kills it. Killing it first took a run's exit from 1.9 s to 0.4 s."""
+    import ray
+    node = ray._private.worker._global_node
+    if node is None:  # already shut down
+        return
+    if linger:
+        time.sleep(0.5)
+    for info in node.all_processes.get("monitor", []):
+        info.process.kill()
+    ray.shutdown()
 
 
 def launch_engines(cfg: Config, model_path: str, version: int = 0):
