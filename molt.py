@@ -448,10 +448,19 @@ CUDA_FLAGS = {"--train.tp-size": lambda c: c.train.tp_size > 1, "--train.cp-size
               "--engine.mtp-tokens": lambda c: c.engine.mtp_tokens > 0}
 
 
+def engine_workers(cfg: Config) -> int:
+    """Model workers (GPUs on CUDA) in one engine: tensor-parallel ranks in each of its data-parallel replicas."""
+    return cfg.engine.tp_size * cfg.engine.dp_size
+
+
+def engine_dtype(cfg: Config) -> str:
+    return cfg.engine.dtype if cfg.engine.dtype != "auto" else ("bfloat16" if _cuda() else "float32")
+
+
 def placement(cfg: Config) -> dict[str, int]:
     """GPUs each part of the run takes on CUDA: policy ranks, critic ranks (gae), one for a reference model, and
     each engine's tp x dp."""
-    plan = {"policy": cfg.train.num_ranks, "engines": cfg.engine.num_engines * cfg.engine.tp_size * cfg.engine.dp_size}
+    plan = {"policy": cfg.train.num_ranks, "engines": cfg.engine.num_engines * engine_workers(cfg)}
     if ESTIMATORS[cfg.algo.estimator].critic:
         plan["critic"] = cfg.train.num_ranks
     if cfg.ref.model or ESTIMATORS[cfg.algo.estimator].teacher:
@@ -465,6 +474,9 @@ def check_launch(cfg: Config, model_path: str, gpus: float):
     if cuda_only and not gpus:
         raise UsageError(f"{', '.join(cuda_only)}: CUDA only, and this cluster has no GPU")
     plan = placement(cfg)
+    if gpus and cfg.train.check_weight_sync:
+        raise UsageError("--train.check-weight-sync checks Molt's own reload (CPU); on CUDA vLLM's weight transfer "
+                         "loads the weights and reports no parameter names")
     if gpus and sum(plan.values()) > gpus:
         raise UsageError(f"the run needs {sum(plan.values())} GPUs ({', '.join(f'{k} {v}' for k, v in plan.items())})"
                          f" but the cluster has {gpus:g}")
@@ -953,8 +965,7 @@ def engine_args(cfg: Config, model_path: str, index: int):
     cuda = _cuda()
     kw = dict(model=model_path, tensor_parallel_size=cfg.engine.tp_size, seed=cfg.seed + index,
               max_model_len=cfg.data.max_len, enable_prefix_caching=cfg.engine.prefix_caching,
-              enforce_eager=cfg.engine.enforce_eager, dtype=cfg.engine.dtype if cfg.engine.dtype != "auto" else
-              ("bfloat16" if cuda else "float32"),
+              enforce_eager=cfg.engine.enforce_eager, dtype=engine_dtype(cfg),
               logprobs_mode="processed_logprobs",  # after temperature: what the trainer recomputes
               disable_log_stats=True,
               worker_extension_cls="molt.EngineWorker",
@@ -1296,7 +1307,7 @@ def stop_local_ray(linger: bool):
 def launch_engines(cfg: Config, model_path: str, version: int = 0):
     """Start the engine actors; returns (engines, refs that resolve once each engine is ready)."""
     import ray
-    gpus = cfg.engine.tp_size * cfg.engine.dp_size if cluster_gpus() else 0
+    gpus = engine_workers(cfg) if cluster_gpus() else 0
     actor = ray.remote(EngineActor).options(num_cpus=1, num_gpus=gpus,
                                             max_concurrency=100_000)
     engines = [actor.remote(cfg, model_path, i) for i in range(cfg.engine.num_engines)]
@@ -3635,8 +3646,10 @@ class ModelWorker:
         self.sender = getattr(self, "sender", None) or native_sender(self, engines)
         self.sender.client.version = version
         self.sender.send_weights()
-        sent = sum(p.numel() * p.element_size() for p in self.model.state_dict().values())
-        return {"reports": self.sender.client.reports, "bytes": sent} if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        sent = sum(math.prod(m.shape) * m.dtype.itemsize for m in self.sender.source.metadata())
+        return {"reports": self.sender.client.reports, "bytes": sent}
 
     def node(self) -> tuple[str, bool]:
         import ray
@@ -4056,9 +4069,7 @@ async def engine_update(actor: EngineActor, source: dict, version: int, check: b
       update. Rolling back instead would need a second copy of the weights per engine (host memory the size of the
       model), and restarting it would need them on disk: the run goes on with the other engines, or stops with a
       clear error when none is left."""
-    actor.resumed.clear()
-    actor.aborting = actor.cfg.rollout.update_mode == "abort"
-    await vllm_pause(actor.engine, "abort" if actor.aborting else "keep")
+    await engine_pause(actor)
     where = {"engine": actor.index, "version": version}
     report = {"engine": actor.index, "version": version, "missing": None, "failed": None}
     try:
@@ -4098,6 +4109,12 @@ async def stage(actor: EngineActor, source: dict, where: dict) -> list[str]:
     return files
 
 
+async def engine_pause(actor: EngineActor):
+    actor.resumed.clear()  # new requests wait for the resume
+    actor.aborting = actor.cfg.rollout.update_mode == "abort"
+    await vllm_pause(actor.engine, "abort" if actor.aborting else "keep")
+
+
 async def engine_resume(actor: EngineActor, version: int):
     # Running requests are preempted so their KV is recomputed under the new weights (their tokens are kept),
     # and no later request can reuse a prefix cached by the old weights. A VLM's image embeddings are dropped on
@@ -4125,15 +4142,20 @@ async def vllm_pause(engine, mode: str):
 # protocol, which EngineSyncClient maps onto Molt's engine actors with Molt's semantics: start pauses with requests
 # kept, finish labels the new version and resumes (engine_resume). Not exercised on the development machine (no GPU):
 # scripts/gpu_check.py's weight-sync check does.
+def transfer_ranks(cfg: Config, index: int, engines: int) -> tuple[int, int]:
+    """(engine `index`'s rank offset, the group's world size) in the transfer group: the trainer is rank 0 and vLLM
+    numbers each worker dp_rank * tp_size + tp_rank + rank_offset, so engine i's workers follow engine i-1's."""
+    return 1 + index * engine_workers(cfg), 1 + engines * engine_workers(cfg)
+
+
 async def _native_init(actor: EngineActor, info: dict):
     from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-    info = {**info, "rank_offset": 1 + actor.index * actor.cfg.engine.tp_size}  # engine i's workers after i-1's
+    info = {**info, "rank_offset": transfer_ranks(actor.cfg, actor.index, 1)[0]}
     await actor.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
 
 
 async def _native_start(actor: EngineActor, _):
-    actor.resumed.clear()
-    await vllm_pause(actor.engine, "keep")
+    await engine_pause(actor)
     await actor.engine.start_weight_update()
 
 
@@ -4176,14 +4198,17 @@ class EngineSyncClient:
 
 
 def native_sender(worker, engines: list):
-    """The trainer side (every rank: gathering a full tensor is a collective; rank 0 sends)."""
+    """The trainer side (every rank: gathering a full tensor is a collective; rank 0 sends). Tensors go in the
+    engine's dtype (bf16 from fp32 master weights: half the bytes; vLLM would round them the same way on load) and
+    from the GPU (with --train.offload full the gathered tensors are on the host)."""
     import torch
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
-    model, tied = worker.model, worker.tied
+    model, tied, dtype = worker.model, worker.tied, getattr(torch, engine_dtype(worker.cfg))
 
     def named(name, t):  # an in-memory tensor -> its checkpoint-named tensors (metadata: on the meta device)
-        return checkpoint_names(model, {name: t}, tied).items()
+        wire = dtype if t.is_floating_point() else t.dtype
+        return [(n, x.to(dtype=wire)) for n, x in checkpoint_names(model, {name: t}, tied).items()]
 
     class Source(WeightSource):
         def metadata(self):
@@ -4192,11 +4217,11 @@ def native_sender(worker, engines: list):
 
         def __iter__(self):
             for name, p in model.state_dict().items():
-                yield from named(name, p.full_tensor() if hasattr(p, "full_tensor") else p)
+                yield from named(name, (p.full_tensor() if hasattr(p, "full_tensor") else p).to(worker.device))
 
     addr, port = worker.address()
     info = NCCLTrainerInitInfo(rank=worker.rank, master_address=addr, master_port=port,
-                               world_size=1 + len(engines) * worker.cfg.engine.tp_size)
+                               world_size=transfer_ranks(worker.cfg, 0, len(engines))[1])
     return NCCLTrainerWeightTransferEngine.trainer_init(info, client=EngineSyncClient(engines), source=Source())
 
 

@@ -55,6 +55,7 @@ async def main(args):
     from vllm.v1.engine.async_llm import AsyncLLM
     cfg = molt.Config()
     cfg.data.max_len, cfg.engine.kv_cache_gb = 1024, 1.0
+    cfg.engine.gpu_memory_utilization = 0.4  # CUDA: Molt's engine and the raw one share the GPU
     path = molt.resolve_model(args.model)
     molt.ray_init(cfg)
     engines = molt.start_engines(cfg, path)

@@ -1,7 +1,7 @@
-"""GPU acceptance: the CUDA paths no CPU test can reach, one line per check with its figure, in under 8 minutes on
-one GPU. On a machine without CUDA it exits at once (status 2) saying so.
+"""GPU acceptance: the CUDA paths no CPU test can reach, one line per check with its figure, within --budget seconds
+(8 minutes) in all. On a machine without CUDA it exits at once (status 2) saying so.
 
-    .venv/bin/python scripts/gpu_check.py [--only NAME] [--timeout 150]
+    .venv/bin/python scripts/gpu_check.py [--only NAME] [--timeout 150] [--budget 480]
 
 Checks (each a subprocess with its own timeout, so one failure does not hide the others):
   train-dense    AutoModel FSDP2 train step on a random ~0.5B Qwen3 (bf16): tokens/s
@@ -9,9 +9,12 @@ Checks (each a subprocess with its own timeout, so one failure does not hide the
   packing        the 0.5B model's step with micro-batches packed into rows (--train.pack-samples under a token
                  budget) vs 8 padded samples each, on lengths 144-1152: loss difference, tokens/s ratio, attention
   rollout        vLLM CUDA engine through Molt vs raw vLLM (scripts/bench_rollout.py): ratio
-  weight-sync    a policy update into the engine on the 0.5B model: GB/s, and the engine/trainer log-prob gap (bf16)
+  logprob-gap    one GPU in turn: the engine samples from the 0.5B checkpoint, then the trainer scores the same tokens
+                 (bf16 both): the largest train/rollout log-prob gap
+  weight-sync    (2 GPUs: trainer and engine, vLLM's NCCL transfer; NCCL refuses two ranks on one GPU) a policy update
+                 into the engine on the 0.5B model: GB/s, and the log-prob gap after it
   routing        routing capture -> replay (scripts/cuda_check_moe.py): expert mismatch with and without replay
-  copy-task      `molt.py --agent agents/copy.py --target-reward 0.9`: steps and seconds to the target
+  copy-task      (2 GPUs) `molt.py --agent agents/copy.py --target-reward 0.9`: steps and seconds to the target
   knob-*         each CUDA-only parallelism / memory flag in a 2-step copy-task run (train tp / cp / ep, sequence
                  parallel, full and optimizer offload, packed rows, engine dp / expert parallel / MTP); one needing more GPUs than the machine
                  has prints "skip" with the count (MTP also needs MOLT_MTP_MODEL: a model with an MTP head)
@@ -112,9 +115,42 @@ def packing():
           f"{abs(l1 - l0):.2e}; attention {attn}")
 
 
-def weight_sync():
+def probe(engine):
+    """A 64-token sample of the engine's, as a Sample."""
     import ray
 
+    import molt
+    [c] = ray.get(engine.generate.remote(molt.EngineRequest([5, 6, 7, 8], sampling={
+        "max_tokens": 64, "temperature": 1.0, "ignore_eos": True})))
+    s = molt.Sample(rollout_id="probe")
+    s.extend([5, 6, 7, 8])
+    s.add_turn(c)
+    return s, c.logprobs
+
+
+def gap(group, sample, logprobs) -> float:
+    """Largest |trainer log-prob - engine log-prob| over the sampled tokens."""
+    import ray
+
+    import molt
+    ours = group.forward(ray.put([sample]), molt.shard_plan([sample], 1, 1))[0][3:]
+    return max(abs(a - b) for a, b in zip(ours, logprobs))
+
+
+def logprob_gap():
+    import ray
+
+    import molt
+    cfg, path = config(), random_qwen3()
+    molt.ray_init(cfg)
+    [engine] = molt.start_engines(cfg, path)
+    s, logprobs = probe(engine)
+    ray.kill(engine)  # its GPU goes to the trainer
+    group = molt.ModelGroup(cfg, path, "policy", total_steps=10)
+    print(f"bf16 train/rollout log-prob gap max {gap(group, s, logprobs):.4f} over {len(logprobs)} tokens")
+
+
+def weight_sync():
     import molt
     cfg, path = config(), random_qwen3()
     molt.ray_init(cfg)
@@ -128,17 +164,9 @@ def weight_sync():
         sync.wait()
         times.append(time.perf_counter() - t)
         out = sync.take()
-    [c] = ray.get(engines[0].generate.remote(molt.EngineRequest([5, 6, 7, 8], sampling={
-        "max_tokens": 64, "temperature": 1.0, "ignore_eos": True})))
-    s = molt.Sample(rollout_id="probe")
-    s.extend([5, 6, 7, 8])
-    s.add_turn(c)
-    ours = group.forward(ray.put([s]), molt.shard_plan([s], 1, 1))[0][3:]
-    gap = max(abs(a - b) for a, b in zip(ours, c.logprobs))
     best = sorted(times)[len(times) // 2]
     print(f"{out['sync/bytes'] / best / 1e9:.2f} GB/s ({out['sync/bytes'] / 2**20:.0f} MiB in {best * 1e3:.0f} ms, "
-          f"native {molt._cuda()}); bf16 log-prob gap "
-          f"max {gap:.4f}")
+          f"native {sync.native}); bf16 log-prob gap after it max {gap(group, *probe(engines[0])):.4f}")
 
 
 CHECKS = {
@@ -146,12 +174,13 @@ CHECKS = {
     "train-moe": [PY, __file__, "--inner", "train-moe"],
     "rollout": [PY, os.path.join(ROOT, "scripts", "bench_rollout.py"), "--rounds", "3"],
     "packing": [PY, __file__, "--inner", "packing"],
+    "logprob-gap": [PY, __file__, "--inner", "logprob-gap"],
     "weight-sync": [PY, __file__, "--inner", "weight-sync"],
     "routing": [PY, os.path.join(ROOT, "scripts", "cuda_check_moe.py")],
     "copy-task": [PY, os.path.join(ROOT, "molt.py"), "--agent", "agents/copy.py", "--target-reward", "0.9",
                   "--steps", "400", "--run-dir", os.path.join(tempfile.gettempdir(), "molt-gpu-check-copy")],
 }
-# name: (GPUs the run needs: trainer ranks + engine GPUs, molt.py flags)
+# name: (GPUs the run needs: trainer ranks + engine GPUs, molt.py flags); checks not named need 1
 KNOBS = {
     "knob-train-tp": (3, ["--train.num-ranks", "2", "--train.tp-size", "2"]),
     "knob-train-sp": (3, ["--train.num-ranks", "2", "--train.tp-size", "2", "--train.sequence-parallel"]),
@@ -167,35 +196,39 @@ KNOBS = {
 CHECKS.update({name: [PY, os.path.join(ROOT, "molt.py"), "--agent", "agents/copy.py", "--steps", "2", "--run-dir",
                        os.path.join(tempfile.gettempdir(), f"molt-gpu-check-{name}"), *flags]
                for name, (_, flags) in KNOBS.items()})
+NEEDS = {"weight-sync": 2, "copy-task": 2, **{name: need for name, (need, _) in KNOBS.items()}}
 INNER = {"train-dense": lambda: train("dense"), "train-moe": lambda: train("moe"), "packing": packing,
-         "weight-sync": weight_sync}
+         "logprob-gap": logprob_gap, "weight-sync": weight_sync}
 
 
 def main(args):
     import torch
-    if args.inner:
-        return INNER[args.inner]()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; this script checks the GPU paths and has nothing to run on CPU",
               file=sys.stderr)
         sys.exit(2)
+    if args.inner:
+        return INNER[args.inner]()
     print(f"gpu_check on {torch.cuda.get_device_name(0)}")
-    failed = 0
+    failed, start = 0, time.perf_counter()
     for name, cmd in CHECKS.items():
         if args.only and args.only not in name:
             continue
-        need = KNOBS.get(name, (1,))[0]
+        need, left = NEEDS.get(name, 1), args.budget - (time.perf_counter() - start)
         if need > torch.cuda.device_count() or (name == "knob-mtp" and not os.environ.get("MOLT_MTP_MODEL")):
             print(f"skip {name:12s} needs {need} GPUs (this machine has {torch.cuda.device_count()})"
                   + (" and MOLT_MTP_MODEL" if name == "knob-mtp" else ""), flush=True)
             continue
+        if left < 30:
+            print(f"skip {name:12s} the {args.budget} s budget is spent", flush=True)
+            continue
         t = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout)
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=min(args.timeout, left))
             lines = [x for x in (proc.stdout + proc.stderr).splitlines() if x.strip()]
             ok, tail = proc.returncode == 0, (lines[-1] if lines else "")
         except subprocess.TimeoutExpired:
-            ok, tail = False, f"timed out after {args.timeout} s"
+            ok, tail = False, f"timed out after {min(args.timeout, left):.0f} s"
         failed += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {name:12s} {time.perf_counter() - t:5.0f}s  {tail[:300]}", flush=True)
     sys.exit(1 if failed else 0)
@@ -205,5 +238,6 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="")
     p.add_argument("--timeout", type=int, default=150, help="seconds per check")
+    p.add_argument("--budget", type=int, default=480, help="seconds for all checks; the rest print skip")
     p.add_argument("--inner", choices=list(INNER), help=argparse.SUPPRESS)
     main(p.parse_args())

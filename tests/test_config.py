@@ -85,6 +85,10 @@ def test_launch_refusals_that_need_the_cluster(tiny):
     with pytest.raises(ValueError, match="--agent is required"):
         molt.check_launch(parse(), tiny, gpus=0)
     molt.check_launch(parse("--algo.estimator", "on_policy_distill", "--ref.model", "tiny"), tiny, gpus=0)
+    check = parse("--agent", COPY, "--train.check-weight-sync")
+    molt.check_launch(check, tiny, gpus=0)  # CPU: Molt's own reload names what it missed
+    with pytest.raises(ValueError, match="--train.check-weight-sync checks Molt's own reload"):
+        molt.check_launch(check, tiny, gpus=8)  # CUDA: vLLM's transfer loads, and names nothing
 
 
 def test_cuda_only_knobs_and_the_gpu_plan_are_checked_before_anything_starts(tiny):

@@ -323,3 +323,39 @@ def test_bad_batches_are_refused_naming_the_sample(ray_cluster, tiny):
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing was trained
     for w in group.workers:
         ray_cluster.kill(w)
+
+
+def test_transfer_ranks_number_every_engine_worker_once():
+    """vLLM's NCCL transfer group: rank 0 is the trainer, each engine worker takes dp_rank * tp + tp_rank + its
+    engine's offset (vllm/distributed/weight_transfer/nccl_common.py). Every rank in 1..world-1 exactly once."""
+    for engines, tp, dp in [(1, 1, 1), (2, 2, 1), (2, 1, 2), (3, 2, 2)]:
+        cfg = small_config(**{"engine.num_engines": engines, "engine.tp_size": tp, "engine.dp_size": dp})
+        world = molt.transfer_ranks(cfg, 0, engines)[1]
+        ranks = [molt.transfer_ranks(cfg, i, engines)[0] + d * tp + t
+                 for i in range(engines) for d in range(dp) for t in range(tp)]
+        assert sorted(ranks) == list(range(1, world)), (engines, tp, dp, ranks)
+
+
+def test_native_sender_yields_what_it_declares_in_the_engine_dtype(tiny, monkeypatch):
+    """The trainer side of vLLM's NCCL weight transfer (CUDA only; no NCCL here): vLLM's group opener is replaced by
+    nothing and the engines' side of the protocol by a recorder, so what runs is Molt's side: the world size it
+    announces, and a WeightSource whose tensors match its metadata (names, dtypes, shapes: the engine sizes its
+    receive buffers from it) and carry the trainer's weights in the engine's dtype."""
+    import types
+
+    from vllm.distributed.weight_transfer import nccl_engine
+    monkeypatch.setattr(nccl_engine, "open_trainer_endpoint", lambda info: None)
+    calls = []
+    monkeypatch.setattr(molt.EngineSyncClient, "_all", lambda self, call, arg=None: calls.append((call, arg)))
+    cfg = small_config(**{"engine.dtype": "bfloat16", "engine.tp_size": 2})
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    worker = types.SimpleNamespace(model=model, tied=model.config.tie_word_embeddings, rank=0, cfg=cfg,
+                                   device=torch.device("cpu"), address=lambda: ("127.0.0.1", 1))
+    sender = molt.native_sender(worker, ["engine-0", "engine-1"])
+    assert [c for c, _ in calls] == ["init"] and calls[0][1]["world_size"] == 5
+    meta, sent = sender.source.metadata(), list(sender.source)
+    assert [(m.name, m.dtype, tuple(m.shape)) for m in meta] == [(n, t.dtype, tuple(t.shape)) for n, t in sent]
+    expected = {k: v for k, v in model.state_dict().items() if not (worker.tied and k == "lm_head.weight")}
+    assert [n for n, _ in sent] == list(expected)
+    for name, t in sent:
+        assert t.dtype == torch.bfloat16 and torch.equal(t, expected[name].to(torch.bfloat16)), name
