@@ -7,13 +7,19 @@ sandboxed worker process (rewards/sandbox.py: bubblewrap, no network, no writabl
 killed at a hard deadline: an answer like \\boxed{9^9^9} costs one call's time limit, never the run's. A timeout or a
 parse failure scores 0 and is counted in the episode's info (reward/grader_timeouts, reward/grader_unparsed).
 
+What runs here, on the host, is bounded before it runs: a response over RESPONSE_CHARS or an answer over ANSWER_CHARS
+is unparsed, and every pattern is linear in its input (no nested or adjacent quantifiers that can
+backtrack), so no answer can hold the event loop's thread. Units are dropped only where they are text (`12 cm`,
+`12\\text{ cm}`), never a letter written against a number (`3m` may be 3 times m); an equation `X = Y` is read as Y
+only when X is a lone variable (x, y_1, \\theta, AB), and any other relation in an answer whose label has none is
+unparsed (`3 = 2` is not the answer 2).
+
     extract_answer(text)   -> the last \\boxed{...}, else "the answer is X", else the last number (or None)
     check(response, label) -> Verdict(correct, timeout, unparsed)
     grade(response, label) -> 1.0 or 0.0                        (blocking: from async code, await molt.offload(grade, ...))
     is_equiv(given, truth) -> bool
 """
 import os
-import queue
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -25,13 +31,23 @@ sandbox = molt.import_path(os.path.join(os.path.dirname(os.path.abspath(__file__
 TIMEOUT = float(os.environ.get("MOLT_GRADER_TIMEOUT", 5))
 WORKERS = int(os.environ.get("MOLT_GRADER_WORKERS", min(4, os.cpu_count() or 1)))
 ANSWER_CHARS = 2000  # a longer answer is not an answer
+RESPONSE_CHARS = 1_000_000  # a longer response is not graded (unparsed)
+UNITS = {"unit", "units", "degree", "degrees", "cm", "mm", "m", "km", "inch", "inches", "in", "feet", "ft", "meter",
+         "meters", "metre", "metres", "cm^2", "m^2", "units^2", "sq", "square"}
+TEXT_UNIT = re.compile(r"\\(?:text|mbox|mathrm)\{\s*(?:" + "|".join(sorted(map(re.escape, UNITS), key=len,
+                                                                               reverse=True)) + r")\s*\}$")
+LONE_VARIABLE = re.compile(r"^(?:[a-zA-Z](?:_\{?[a-zA-Z0-9]{1,8}\}?)?|\\[a-zA-Z]{2,12}|[A-Z]{2,3})\s*=\s*")
+RELATIONS = ("=", "<", ">", "\\le", "\\ge", "\\ne", "\\approx", "\\lt", "\\gt", "\u2264", "\u2265", "\u2260", "\u2248")
 ANSWER_PHRASE = re.compile(r"(?:final answer|answer)\s*(?:is|:|=)\s*([^\n]+)", re.IGNORECASE)
 NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 
 # Runs inside the sandboxed worker: LaTeX parsing only, for the answer and the label alike.
+# math-verify's own unit stripping is off: it would read 3m as 3 metres (units written as text are dropped on the host).
 VERIFIER = r'''
+from latex2sympy2_extended.latex2sympy2 import NormalizationConfig
 from math_verify import LatexExtractionConfig, parse, verify
-CONFIG = [LatexExtractionConfig(boxed_match_priority=0)]
+CONFIG = [LatexExtractionConfig(boxed_match_priority=0, normalization_config=NormalizationConfig(
+    basic_latex=True, units=False, malformed_operators=True, nits=True, boxed="all", equations=False))]
 def handler(req):
     gold = parse(req["gold"], extraction_config=CONFIG, parsing_timeout=None)
     answer = parse(req["answer"], extraction_config=CONFIG, parsing_timeout=None)
@@ -80,14 +96,17 @@ def extract_answer(text: str) -> str | None:
 
 def _plain(s: str) -> str:
     """The answer without what never changes its value: $, \\left/\\right, \\text{}, degrees, percent, a leading
-    'x =', trailing units, spaces and thousands separators."""
+    'x =' (a lone variable), trailing units written as text, spaces and thousands separators."""
     s = s.strip().strip("$").strip()
     s = re.sub(r"\\(left|right|displaystyle|!|,|;|quad)", "", s)
-    s = re.sub(r"\\text\{\s*([^{}]*)\}", r"\1", s)
+    s = TEXT_UNIT.sub("", s).rstrip()
+    s = re.sub(r"\\text\{([^{}]*)\}", lambda m: m.group(1).strip(), s)
     s = re.sub(r"\^\{?\\circ\}?|°|\\degree", "", s)
     s = s.replace("\\%", "").replace("%", "").replace("\\$", "")
-    s = re.sub(r"^[a-zA-Z]\s*=\s*", "", s)
-    s = re.sub(r"\s*(units?|degrees?|cm|m|km|inches|feet|meters?)$", "", s)
+    s = LONE_VARIABLE.sub("", s)
+    head, _, unit = s.rstrip().rpartition(" ")  # "12 cm": a unit word after a space, behind a number
+    if unit in UNITS and head.rstrip()[-1:].isdigit():
+        s = head
     s = re.sub(r"\\[dt]?frac\{(-?\d+)\}\{(\d+)\}", r"\1/\2", s)
     return s.replace(" ", "")
 
@@ -102,36 +121,26 @@ def _number(s: str) -> Fraction | None:
         return None
 
 
-_POOL: queue.Queue | None = None
-
-
-def _worker() -> "sandbox.SandboxWorker":
-    global _POOL
-    if _POOL is None:
-        sandbox.require()
-        _POOL = queue.Queue()
-        for _ in range(WORKERS):
-            _POOL.put(sandbox.SandboxWorker(VERIFIER))
-    return _POOL.get()
+VERIFIERS = sandbox.WorkerPool(VERIFIER, WORKERS)
 
 
 def check(given: str | None, truth) -> Verdict:
     """Is the extracted answer `given` equal to `truth`? Plain numbers are compared here; the rest in the sandbox."""
     if given is None or truth is None:
         return Verdict(False)
+    if len(str(given)) > ANSWER_CHARS:  # before any pattern reads it
+        return Verdict(False, unparsed=True)
     a, b = _plain(str(given)), _plain(str(truth))
-    if not a or not b or len(a) > ANSWER_CHARS:
+    if not a or not b:
         return Verdict(False, unparsed=bool(a))
+    if any(r in a for r in RELATIONS) and not any(r in b for r in RELATIONS):
+        return Verdict(False, unparsed=True)  # an equation or inequality where a value is due
     x, y = _number(a), _number(b)
     if x is not None and y is not None:
         return Verdict(x == y)
     if a == b:
         return Verdict(True)
-    worker = _worker()
-    try:
-        out = worker.call({"gold": f"${b}$", "answer": f"${a}$"}, TIMEOUT)
-    finally:
-        _POOL.put(worker)
+    out = VERIFIERS.call({"gold": f"${b}$", "answer": f"${a}$"}, TIMEOUT)
     return Verdict(bool(out.get("correct")), timeout=bool(out.get("timeout")), unparsed=bool(out.get("unparsed")))
 
 
@@ -146,6 +155,8 @@ def label_answer(label):
 
 
 def grade_verdict(response: str, label) -> Verdict:
+    if len(response or "") > RESPONSE_CHARS:  # before any pattern reads it
+        return Verdict(False, unparsed=True)
     return check(extract_answer(response or ""), label_answer(label))
 
 
