@@ -39,9 +39,11 @@ import asyncio
 import atexit
 import base64
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import io
+import itertools
 import json
 import math
 import os
@@ -234,6 +236,11 @@ class ActorConfig:
 class ServerConfig:
     max_body_mb: float = _f(64.0, "largest request body the loopback server reads, MiB (room for a few images); a "
                             "larger one gets a 413")
+    header_timeout: float = _f(10.0, "seconds a new connection has to send its first request's headers; then it is "
+                               "closed (a later request's are bounded by --server.keepalive-timeout)")
+    body_timeout: float = _f(60.0, "seconds a request has to send its body once its headers arrived (else a 408)")
+    keepalive_timeout: float = _f(60.0, "seconds an idle (or half-sent) kept-alive connection stays open")
+    max_connections: int = _f(1024, "open connections one agent pool's server accepts; more are closed at once")
 
 
 @dataclass
@@ -1445,6 +1452,11 @@ def turn_sampling(cfg: Config, sampling: dict, context_len: int) -> dict:
 # ======================================================================================================
 
 PROBE = "\x00PROBE\x00"
+# Text nobody sampled (user, system, tool and judged content) must never become a special token. render() breaks each
+# special token's spelling in message content with MARK, a Unicode noncharacter (and turns any MARK the content held
+# into U+FFFD, so marks are only ours); encode() then tokenizes the text between the template's own special tokens
+# with those spellings as plain text, and the marks gone.
+MARK = "\ufdd0"
 
 
 # Arguments of apply_chat_template and variables it defines itself: a client's chat_template_kwargs cannot set them.
@@ -1464,6 +1476,25 @@ def template_variables(source) -> set[str]:
     return set().union(*(meta.find_undeclared_variables(env.parse(x)) for x in sources))
 
 
+def trie_pattern(words: list[str]) -> str:
+    """A regex matching the longest of words at a position, as a trie: DeepSeek-V3 has 800 special tokens, and as a
+    plain alternation each '<' of a text would try them all (28 ms for 116 KB of HTML; a trie keeps it linear)."""
+    trie: dict = {}
+    for word in words:
+        node = trie
+        for ch in word:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+
+    def pattern(node: dict) -> str:
+        alts = [re.escape(ch) + pattern(child) for ch, child in node.items() if ch]
+        if not alts:
+            return ""
+        body = alts[0] if len(alts) == 1 else "(?:" + "|".join(alts) + ")"
+        return f"(?:{body})?" if "" in node else body  # a word may end here: longer first (greedy), else stop
+    return pattern(trie)
+
+
 class Codec:
     """Chat template, tokenizer and (for a VLM) processor of one model."""
 
@@ -1477,6 +1508,9 @@ class Codec:
         # the n episodes of a group render and tokenize the same prompt: do each once (jinja rendering was a fifth of
         # an agent pool's time on the copy task)
         self.rendered, self.text_ids = TextCache(), TextCache()
+        specials = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
+        self.special_ids = set(specials) - {self.tokenizer.unk_token_id}  # what a template writes (a MARK may be unk)
+        self.spellings = re.compile(trie_pattern([t for t in specials.values() if len(t) > 1]) or "(?!)")
         source = (self.processor or self.tokenizer).chat_template
         self.template_vars = template_variables(source) - TEMPLATE_RESERVED
         self.probe_base = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": PROBE}],
@@ -1486,7 +1520,8 @@ class Codec:
     def render(self, messages: list[dict], tools=None, generation=True, **template) -> str:
         """The chat template's text; template holds extra template variables (e.g. enable_thinking): those the
         template does not read are dropped, as vLLM does, and none can override what render itself passes."""
-        msgs, extra = template_messages(messages), {k: v for k, v in template.items() if k in self.template_vars}
+        msgs = self.as_text(template_messages(messages))
+        extra = {k: v for k, v in template.items() if k in self.template_vars}
         try:
             key = json.dumps([msgs, tools, generation, extra])
         except (TypeError, ValueError):  # not JSON (a tool given as an object): rendered, not cached
@@ -1498,8 +1533,39 @@ class Codec:
             self.rendered.put(key, text, len(text))
         return text
 
+    def as_text(self, value):
+        """Message fields (recursively; not roles or part types) with each special token's spelling broken by MARK."""
+        if isinstance(value, str):
+            return self.spellings.sub(lambda m: m[0][0] + MARK + m[0][1:], value.replace(MARK, "\ufffd"))
+        if isinstance(value, list):
+            return [self.as_text(v) for v in value]
+        if isinstance(value, dict):
+            return {k: v if k in ("role", "type") else self.as_text(v) for k, v in value.items()}
+        return value
+
     def encode(self, text: str, images: list | None = None) -> tuple[list[int], dict | None]:
         """(ids, processor tensors for the images or None)."""
+        ids, mm = self.encode_template(text, images)
+        return (self.unmarked(text, ids), mm) if MARK in text else (ids, mm)
+
+    def unmarked(self, text: str, ids: list[int]) -> list[int]:
+        """ids of marked text with each run of ordinary tokens re-tokenized from its text, marks removed and special
+        spellings kept as text (split_special_tokens). The special tokens found in the marked text are all the
+        template's (the marks break the content's), so they and the runs between them line up one to one; the
+        special runs stay as they are (a processor's expanded image pads included)."""
+        enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        cuts = [span for t, span in zip(enc["input_ids"], enc["offset_mapping"]) if t in self.special_ids]
+        pieces = [text[a:b] for a, b in zip([0] + [e for _, e in cuts], [s for s, _ in cuts] + [len(text)]) if a < b]
+        runs = [list(run) for _, run in itertools.groupby(ids, key=lambda t: t in self.special_ids)]
+        plain = [r for r in runs if r[0] not in self.special_ids]
+        if len(plain) != len(pieces):
+            raise ValueError(f"the template's text does not line up with its tokens ({len(plain)} runs of text, "
+                             f"{len(pieces)} pieces)")
+        fresh = iter(self.tokenizer(p.replace(MARK, ""), add_special_tokens=False, split_special_tokens=True)
+                     ["input_ids"] for p in pieces)
+        return [t for r in runs for t in (next(fresh) if r[0] not in self.special_ids else r)]
+
+    def encode_template(self, text: str, images: list | None = None) -> tuple[list[int], dict | None]:
         if images:
             if self.processor is None:
                 raise ValueError("images were given but the model is text-only")
@@ -2176,7 +2242,7 @@ class LoopbackServer:
     def __init__(self, cfg: Config, codec: Codec, router: Router, model_name: str = "policy"):
         self.cfg, self.codec, self.router, self.model_name = cfg, codec, router, model_name
         self.sessions: dict[str, Session] = {}
-        self.port, self._runner = None, None
+        self.port, self._runner, self._listener, self.connections = None, None, None, set()
         self._starting = asyncio.Lock()
         self.key = "sk-molt-" + secrets.token_hex(16)  # for the unrecorded route (judges, helpers)
         self.call_format = codec.tool_call_text()
@@ -2193,11 +2259,20 @@ class LoopbackServer:
                 app.router.add_post(root + "/messages/count_tokens", self.count_tokens)
                 app.router.add_get(root + "/models", self.models)
             runner = web.AppRunner(app, access_log=None, max_line_size=MAX_HEADER_BYTES,  # a long key: 401, not a
-                                   max_field_size=MAX_HEADER_BYTES)                      # plain-text 400
+                                   max_field_size=MAX_HEADER_BYTES,                      # plain-text 400
+                                   keepalive_timeout=self.cfg.server.keepalive_timeout)
             await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            self.port, self._runner = site._server.sockets[0].getsockname()[1], runner
+            s = self.cfg.server  # aiohttp's own server is the protocol factory; each connection goes through a guard
+            guarded = functools.partial(GuardedConnection, runner.server, self.connections, s.max_connections,
+                                        s.header_timeout)
+            self._listener = await asyncio.get_running_loop().create_server(guarded, "127.0.0.1", 0)
+            self.port, self._runner = self._listener.sockets[0].getsockname()[1], runner
+
+    async def stop(self):
+        if self._runner is not None:
+            self._listener.close()
+            await self._runner.cleanup()
+            self._runner = None
 
     def open(self, ep: Episode) -> ChatContext:
         sid, key = uuid.uuid4().hex, "sk-molt-" + secrets.token_hex(16)
@@ -2234,7 +2309,10 @@ class LoopbackServer:
     async def read_json(self, request) -> dict:
         from aiohttp import web
         try:
-            raw = await request.read()
+            raw = await asyncio.wait_for(request.read(), self.cfg.server.body_timeout)
+        except asyncio.TimeoutError:
+            raise WireError(408, f"request body not received within {self.cfg.server.body_timeout:g} s "
+                                 "(--server.body-timeout)", "timeout_error") from None
         except web.HTTPRequestEntityTooLarge:
             raise WireError(413, f"request body larger than {self.cfg.server.max_body_mb:g} MiB "
                                  "(--server.max-body-mb)", "request_too_large") from None
@@ -2446,6 +2524,51 @@ def refusal(err: Exception) -> WireError | None:
     if names & {"ValueError", "TemplateError", "VLLMClientError"}:
         return WireError(400, f"request refused: {str(cause)[:500]}")
     return None
+
+
+class GuardedConnection(asyncio.Protocol):
+    """One connection to the loopback server: aiohttp's protocol behind the two guards it lacks. A connection past the
+    pool's cap is closed at once; one whose first request has not sent all its headers within the header timeout is
+    closed then (a slow-loris client holds nothing for long). Later requests on a kept-alive connection fall under
+    aiohttp's keep-alive timeout, which closes a connection that waits with no whole request."""
+
+    def __init__(self, factory, connections: set, cap: int, header_timeout: float):
+        self.inner, self.connections, self.cap, self.header_timeout = factory(), connections, cap, header_timeout
+        self.transport, self.timer, self.tail = None, None, b""
+
+    def connection_made(self, transport):
+        if len(self.connections) >= self.cap:
+            self.inner = None
+            transport.abort()
+            return
+        self.transport = transport
+        self.connections.add(self)
+        self.timer = asyncio.get_running_loop().call_later(self.header_timeout, transport.abort)
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes):
+        if self.timer is not None:  # the end of the first request's headers: the rest is the handler's to time
+            if b"\r\n\r\n" in self.tail + data:
+                self.timer.cancel()
+                self.timer = None
+            self.tail = (self.tail + data)[-3:]
+        self.inner.data_received(data)
+
+    def eof_received(self):
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc):
+        self.connections.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.inner is not None:
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self):
+        self.inner.pause_writing()
+
+    def resume_writing(self):
+        self.inner.resume_writing()
 
 
 async def wire_errors(request, handler):

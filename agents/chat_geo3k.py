@@ -18,6 +18,18 @@ DEFAULTS = {"model": "tiny-vl", "data.path": os.path.join(HERE, "..", "examples"
             "rollout.max_turns": 4, "data.max_len": 2048, "train.lr": 1e-5, "steps": 20}
 
 
+def run_tool(arguments: str) -> list[dict]:
+    """The tool's output and its plots (downscaled by the sandbox) as message parts: blocking work (the sandbox, PNG
+    encoding), so it runs off the pool's event loop."""
+    out, images = sandbox.run_python(sandbox.tool_code({"arguments": arguments}) or "", with_images=True)
+    return [{"type": "text", "text": out}] + [{"type": "image_url", "image_url": {"url": molt.image_data_uri(img)}}
+                                              for img in images]
+
+
+async def tool_message(call_id: str, arguments: str) -> dict:
+    return {"role": "tool", "tool_call_id": call_id, "content": await molt.offload(run_tool, arguments)}
+
+
 class ChatGeo3k(ChatAgent):
     async def run(self, ctx) -> Result:
         client, messages, tool_calls = ctx.openai(), list(ctx.messages), 0
@@ -30,11 +42,7 @@ class ChatGeo3k(ChatAgent):
             if not msg.tool_calls:
                 break
             for call in msg.tool_calls:
-                out, images = await molt.offload(sandbox.run_python, sandbox.tool_code(
-                    {"arguments": call.function.arguments}) or "", with_images=True)
-                content = [{"type": "text", "text": out}] + [
-                    {"type": "image_url", "image_url": {"url": molt.image_data_uri(img)}} for img in images]
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
+                messages.append(await tool_message(call.id, call.function.arguments))
                 tool_calls += 1
         answer = next((m.get("content") or "" for m in reversed(messages) if m["role"] == "assistant"), "")
         verdict = await molt.offload(grader.grade_verdict, answer if isinstance(answer, str) else "", ctx.label)

@@ -223,7 +223,7 @@ def run_chat(engine, path, agent_cls, ep_sampling=None, tools=None, prompt="Hell
         pool = make_pool(engine, path)
         await pool.server.start()
         segments = await molt.ChatAgentRunner(agent_cls).run(episode(prompt, ep_sampling, tools=tools), pool)
-        await pool.server._runner.cleanup()
+        await pool.server.stop()
         return pool, segments
     return run(main())
 
@@ -413,7 +413,7 @@ def test_bad_requests_and_auth(engine, tiny, wire):
                     results.append((str(body)[:40], *await post(body), status))
             untouched = pool.server.sessions[ctx.session_id].segments == []
             ok_status, ok_body = await post(good)
-        await pool.server._runner.cleanup()
+        await pool.server.stop()
         return results, untouched, ok_status
 
     results, untouched, ok_status = run(main())
@@ -473,7 +473,7 @@ def test_models_route_answers_both_sdks(engine, tiny):
         ctx = pool.server.open(episode())
         o = await openai_client(ctx, False).models.list()
         a = await anthropic_client(ctx, False).models.list()
-        await pool.server._runner.cleanup()
+        await pool.server.stop()
         return [m.id for m in o.data], [m.id for m in a.data]
     assert run(main()) == (["policy"], ["policy"])
 
@@ -631,7 +631,7 @@ def test_request_images_are_refused_before_decoding(vl_engine, tiny_vl, url, mes
             ok = await openai_client(ctx, False).chat.completions.create(model="m", max_tokens=2, messages=[
                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(png_bytes((56, 56)))}},
                                              {"type": "text", "text": "and this?"}]}])
-        await pool.server._runner.cleanup()
+        await pool.server.stop()
         return bad, ok, pool.server.sessions[ctx.session_id].segments
     (status, body_out), ok, segments = run(main())
     assert status == 400 and message in body_out["error"]["message"], body_out
@@ -648,7 +648,7 @@ def test_a_text_only_model_refuses_images_before_decoding_them(engine, tiny):
                     "model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
                         {"type": "image_url", "image_url": {"url": data_uri(BOMB)}}]}]}) as r:
                 out = r.status, await r.json()
-        await pool.server._runner.cleanup()
+        await pool.server.stop()
         return out
     status, body = run(main())
     assert status == 400 and "does not take images" in body["error"]["message"]  # not the pixel cap: never decoded

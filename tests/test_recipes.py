@@ -39,13 +39,15 @@ def test_code_reward_reads_the_fenced_block_and_splits_tests():
     reply = "Sure.\n```python\ndef square(x):\n    return x * x\n```\nDone."
     tests = ["assert square(3) == 9", "assert square(-2) == 4", "assert square(0) == 0"]
     assert code_agent.pass_fraction(code_agent.extract_code(reply), tests) == 1.0
-    assert sandbox.split_test("assert first([]) == None") == ("first([])", None)
-    assert sandbox.split_test("assert is_even(2)") == ("is_even(2)", True)
+    [first, even] = code_agent.grader.read_problem({"tests": ["assert first([]) == None", "assert is_even(2)"]}).tests
+    assert (first.expr, first.parts, even.expr, even.parts) == ("_molt_v0 == None", ["first([])"], "_molt_v0",
+                                                                ["is_even(2)"])
 
 
-@pytest.mark.parametrize("text, score", [("Score: 7", 0.7), ("score = 10/10", 1.0), ("**Score:** 3", 0.3),
-                                         ("Score: 7 ... final Score: 2", 0.2), ("Score: 11", None), ("great!", None),
-                                         ("", None), (None, None)])
+@pytest.mark.parametrize("text, score", [("Score: 7", 0.7), ("Score: 10/10", 1.0), ("Score: 3\nclear, but wrong", 0.3),
+                                         (" Score:2 ", 0.2), ("Score: 7\n... final Score: 2", None),
+                                         ("score = 10/10", None), ("**Score:** 3", None), ("Score: 11", None),
+                                         ("great!", None), ("", None), (None, None)])
 def test_judge_score_parsing(text, score):
     assert judge_agent.parse_score(text) == score
 
@@ -55,7 +57,7 @@ def run_agent(engine, path, agent, row, n=2, **overrides):
         pool = molt.AgentPool(small_config(**overrides), str(ROOT / agent), path, [engine])
         await pool.server.start()
         out = await pool.run_group(row, n, {"temperature": 1.0, "max_tokens": 48}, uuid.uuid4().hex)
-        await pool.server._runner.cleanup()
+        await pool.server.stop()
         return out
     return run(main())
 
@@ -108,7 +110,7 @@ def test_geo3k_tool_turns_carry_images_and_mask_tool_output(vl_engine, tiny_vl, 
         await pool.server.start()
         out = await pool.run_group(geo3k_row(), 1, {"temperature": 1.0, "max_tokens": 160,
                                                     "structured_outputs": FORCE_TOOL}, "g")
-        await pool.server._runner.cleanup()
+        await pool.server.stop()
         return pool, out
     pool, out = run(main())
     assert out.failures == {}

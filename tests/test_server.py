@@ -37,7 +37,7 @@ class Server:
 
     async def __aexit__(self, *exc):
         await self.http.close()
-        await self.pool.server._runner.cleanup()
+        await self.pool.server.stop()
 
     @property
     def session(self):

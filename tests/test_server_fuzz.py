@@ -67,7 +67,7 @@ class Live:
 
     def close(self):
         self.run(self.http.close())
-        self.run(self.pool.server._runner.cleanup())
+        self.run(self.pool.server.stop())
         self.loop.close()
 
 
