@@ -24,7 +24,8 @@ AG, EN, TR, AL, RO, MO, CF, FA, SE = ("tests/test_agents.py", "tests/test_engine
                                       "tests/test_algorithms.py", "tests/test_rollout.py", "tests/test_moe.py",
                                       "tests/test_config.py", "tests/test_faults.py", "tests/test_security.py")
 SF, SFT = "tests/test_server_fuzz.py", "tests/test_sft.py"
-SANDBOX, GRADER = "rewards/sandbox.py", "rewards/math_grader.py"
+SANDBOX, GRADER, CODE = "rewards/sandbox.py", "rewards/math_grader.py", "rewards/code_grader.py"
+JUDGE, GEO = "agents/judge.py", "agents/chat_geo3k.py"
 
 MUTATIONS = [
     # -- token identity: the sampled ids are the trajectory --------------------------------------------------------
@@ -235,26 +236,82 @@ MUTATIONS = [
     ("sandbox-no-pid-namespace", "security: the sandbox sees (and reads) the host's processes",
      '"--unshare-pid", ', "", [f"{SE}::test_no_host_secret_comes_back"], SANDBOX),
     ("sandbox-bwrap-env", "security: bwrap carries the host's environment (API keys) into the sandbox as pid 1",
-     "start_new_session=True, env=BWRAP_ENV, **popen)", "start_new_session=True, **popen)",
+     "start_new_session=True, env=BWRAP_ENV, cwd=", "start_new_session=True, cwd=",
      [f"{SE}::test_no_host_secret_comes_back"], SANDBOX),
     ("sandbox-network", "security: the sandbox shares the host's network",
      '"--unshare-net", ', "", [f"{SE}::test_no_connection_reaches_the_host"], SANDBOX),
-    ("sandbox-writable-python", "security: the interpreter's installation is writable from the sandbox",
-     'argv += ["--ro-bind", root, root]', 'argv += ["--bind", root, root]',
-     [f"{SE}::test_nothing_installed_or_code_changed_persists"], SANDBOX),
+    # (no mutation makes the Python installation writable: as root the sandbox's uid cannot write root's files anyway,
+    # so the read-only bind is a layer only a non-root run's tests could tell apart)
     # (no mutation kills only bwrap instead of its process group: with --unshare-pid and --die-with-parent the kernel
     # ends the whole pid namespace when bwrap goes, so the group kill is a second layer the tests cannot tell apart)
     ("grader-no-deadline", "security: the grader waits as long as the verifier takes",
-     'out = worker.call({"gold": f"${b}$", "answer": f"${a}$"}, TIMEOUT)',
-     'out = worker.call({"gold": f"${b}$", "answer": f"${a}$"}, 60)',  # 12x the deadline, so the check ends soon
+     'out = VERIFIERS.call({"gold": f"${b}$", "answer": f"${a}$"}, TIMEOUT)',
+     'out = VERIFIERS.call({"gold": f"${b}$", "answer": f"${a}$"}, 60)',  # 12x the deadline, so the check ends soon
      [f"{SE}::test_the_grader_gives_up_at_its_deadline"], GRADER),
+    # -- the trust boundary, third round ----------------------------------------------------------------------------
+    ("sandbox-host-root", "security: run as root, the sandbox's uid is host root (a sysctl write, core_pattern)",
+     "        os.setresuid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)\n", "",
+     [f"{SE}::test_no_uid_inside_the_sandbox_is_host_root"], SANDBOX),
+    ("sandbox-proc-sys-writable", "security: /proc/sys is not read-only inside the sandbox",
+     '"--ro-bind", "/proc/sys", "/proc/sys", ', "", [f"{SE}::test_kernel_settings_cannot_be_written"], SANDBOX),
+    # (without its seccomp filter at all the sandbox refuses to start: require()'s probe reads Seccomp: 2)
+    ("sandbox-seccomp-allows-all", "security: the seccomp filter denies nothing (namespaces, io_uring, keys, ptrace)",
+     "    for name in DENIED_CALLS:\n", "    for name in ():\n",
+     [f"{SE}::test_calls_a_sandbox_has_no_use_for_are_denied", f"{SE}::test_no_nested_user_namespace_is_made"],
+     SANDBOX),
+    # (no mutation drops --disable-userns or the fresh session keyring: the seccomp filter denies unshare and the key
+    # calls anyway, so these second layers cannot be told apart while it holds; the tests check the effect)
+    ("sandbox-memory-per-process", "security: the memory cap holds per process only (forked children add up)",
+     '("memory.limit_in_bytes", MEMORY), ("memory.memsw.limit_in_bytes", MEMORY)',
+     '("memory.limit_in_bytes", -1), ("memory.memsw.limit_in_bytes", -1)',
+     [f"{SE}::test_the_memory_cap_holds_for_the_whole_sandbox"], SANDBOX),
+    ("sandbox-tmp-own-tmpfs", "security: /tmp is a tmpfs of its own, outside the one scratch budget",
+     '"--symlink", "scratch/.tmp", "/tmp"]', '"--size", str(SCRATCH_BYTES), "--tmpfs", "/tmp"]',
+     [f"{SE}::test_dev_shm_tmp_and_scratch_share_one_cap"], SANDBOX),
+    ("sandbox-dev-writable", "security: /dev is a writable, uncapped tmpfs",
+     '"--remount-ro",\n             "/dev", ', "", [f"{SE}::test_dev_shm_tmp_and_scratch_share_one_cap"], SANDBOX),
+    ("sandbox-failure-as-output", "faults: a sandbox that cannot start reads as the program's own failure (reward 0)",
+     "    if not err.startswith(STARTED):", "    if False:",
+     [f"{SE}::test_a_sandbox_that_cannot_start_is_an_error_not_a_failed_program"], SANDBOX),
+    ("sandbox-resolved-venv-only", "faults: a virtual environment reached through a symlink is not bound where it runs",
+     "for p in (real, os.path.abspath(prefix))", "for p in (real,)",
+     [f"{SE}::test_a_symlinked_virtual_environment_still_runs"], SANDBOX),
+    ("code-test-in-solution", "security: the whole assertion runs in the solution's process (its __eq__, its sorted)",
+     "if isinstance(node, ast.expr) and root_name(node) in self.solution:", "if isinstance(node, ast.expr):",
+     [f"{SE}::test_the_usual_test_forms_cannot_be_forged"], CODE),
+    ("grader-units-as-variables", "security: the verifier drops a letter after a number as a unit (gold 3m accepts 3)",
+     "basic_latex=True, units=False,", "basic_latex=True, units=True,",
+     [f"{SE}::test_units_and_equations_are_read_as_written"], GRADER),
+    ("grader-any-relation", "security: an answer that is a relation (3 = 2) is read as its right-hand side",
+     "    if any(r in a for r in RELATIONS) and not any(r in b for r in RELATIONS):", "    if False:",
+     [f"{SE}::test_units_and_equations_are_read_as_written"], GRADER),
+    ("judge-second-score", "security: a judge reply that quotes the candidate's own score is read",
+     "if verdict is None or ANY_SCORE.search(rest) or", "if verdict is None or",
+     [f"{SE}::test_a_judge_reply_with_two_scores_or_foreign_digits_is_unparsed"], JUDGE),
+    ("judge-any-digits", "security: a verdict in non-ASCII digits is read",
+     'VERDICT = re.compile(r"Score: ?([0-9]{1,2})(?:/10)?", re.ASCII)', 'VERDICT = re.compile(r"Score: ?(\\d{1,2})(?:/10)?")',
+     [f"{SE}::test_a_judge_reply_with_two_scores_or_foreign_digits_is_unparsed"], JUDGE),
+    ("codec-specials-from-content", "security: a special token's spelling in unsampled text becomes that token",
+     'return self.spellings.sub(lambda m: m[0][0] + MARK + m[0][1:], value.replace(MARK, "\\ufffd"))', "return value",
+     [f"{SE}::test_special_token_spellings_in_content_stay_text",
+      f"{SE}::test_the_engine_sees_user_system_tool_and_judged_text_as_text",
+      f"{SE}::test_the_env_path_tokenizes_observations_as_text"]),
+    ("server-no-header-timeout", "availability: a connection that never finishes its headers stays open",
+     "self.timer = asyncio.get_running_loop().call_later(self.header_timeout, transport.abort)", "self.timer = None",
+     [f"{SE}::test_a_slow_loris_batch_is_refused_and_the_server_serves_on"]),
+    ("server-no-connection-cap", "availability: a pool's server accepts any number of connections",
+     "        if len(self.connections) >= self.cap:", "        if False:",
+     [f"{SE}::test_a_slow_loris_batch_is_refused_and_the_server_serves_on"]),
+    ("plot-encode-on-the-loop", "availability: tool plots are encoded on the pool's event loop",
+     '"content": await molt.offload(run_tool, arguments)}', '"content": run_tool(arguments)}',
+     [f"{SE}::test_tool_plots_are_downscaled_and_encoded_off_the_loop"], GEO),
 ]
 
 
 def scratch_copy() -> Path:
     root = Path(tempfile.mkdtemp(prefix="molt-mutation-"))
     shutil.copy(ROOT / "molt.py", root / "molt.py")
-    for d in ("tests", "agents", "rewards", "examples"):
+    for d in ("tests", "agents", "rewards", "examples", "scripts"):
         shutil.copytree(ROOT / d, root / d, ignore=shutil.ignore_patterns("__pycache__"))
     return root
 
