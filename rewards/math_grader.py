@@ -8,8 +8,8 @@ killed at a hard deadline: an answer like \\boxed{9^9^9} costs one call's time l
 parse failure scores 0 and is counted in the episode's info (reward/grader_timeouts, reward/grader_unparsed).
 
 What runs here, on the host, is bounded before it runs: a response over RESPONSE_CHARS or an answer over ANSWER_CHARS
-is unparsed, and every pattern is linear in its input (no nested or adjacent quantifiers that can
-backtrack), so no answer can hold the event loop's thread. Units are dropped only where they are text (`12 cm`,
+is unparsed, and every pattern runs in time linear in its input (tests/test_security.py times the hostile ones), so no
+answer can hold the event loop's thread. Units are dropped only where they are text (`12 cm`,
 `12\\text{ cm}`), never a letter written against a number (`3m` may be 3 times m); an equation `X = Y` is read as Y
 only when X is a lone variable (x, y_1, \\theta, AB), and any other relation in an answer whose label has none is
 unparsed (`3 = 2` is not the answer 2).
