@@ -2534,14 +2534,13 @@ class GuardedConnection(asyncio.Protocol):
 
     def __init__(self, factory, connections: set, cap: int, header_timeout: float):
         self.inner, self.connections, self.cap, self.header_timeout = factory(), connections, cap, header_timeout
-        self.transport, self.timer, self.tail = None, None, b""
+        self.timer, self.tail = None, b""
 
     def connection_made(self, transport):
         if len(self.connections) >= self.cap:
             self.inner = None
             transport.abort()
             return
-        self.transport = transport
         self.connections.add(self)
         self.timer = asyncio.get_running_loop().call_later(self.header_timeout, transport.abort)
         self.inner.connection_made(transport)

@@ -84,27 +84,21 @@ def humaneval_tests(source: str, entry: str) -> tuple[str, list[str], int]:
     check = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check"), None)
     if check is None or not check.args.args:
         raise ValueError("a HumanEval test needs a check(candidate) function")
-    rename = {check.args.args[0].arg: entry}
+    candidate = check.args.args[0].arg
     setup = [ast.unparse(n) for n in tree.body if n is not check]
     asserts, other = [], 0
     for node in check.body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             setup.append(ast.unparse(node))
         elif isinstance(node, ast.Assert):
-            asserts.append(ast.unparse(Renamer(rename).visit(node)))
+            for name in (n for n in ast.walk(node) if isinstance(n, ast.Name) and n.id == candidate):
+                name.id = entry
+            asserts.append(ast.unparse(node))
         elif not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):  # a docstring is harmless
             other += 1
     if other:
         return "\n".join(setup), [], sum(isinstance(n, ast.Assert) for n in ast.walk(check))
     return "\n".join(setup), asserts, 0
-
-
-class Renamer(ast.NodeTransformer):
-    def __init__(self, names: dict):
-        self.names = names
-
-    def visit_Name(self, node):
-        return ast.copy_location(ast.Name(self.names.get(node.id, node.id), node.ctx), node)
 
 
 def defined_names(tree: ast.AST) -> set[str]:

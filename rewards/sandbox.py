@@ -46,7 +46,7 @@ import threading
 import time
 
 TIMEOUT = float(os.environ.get("MOLT_SANDBOX_TIMEOUT", 10))
-MEMORY = int(os.environ.get("MOLT_SANDBOX_MEMORY_MB", 1024)) << 20  # the whole sandbox (with a cgroup), else each process
+MEMORY = int(os.environ.get("MOLT_SANDBOX_MEMORY_MB", 1024)) << 20  # the whole sandbox (a cgroup), else each process
 OUTPUT_BYTES = int(os.environ.get("MOLT_SANDBOX_OUTPUT_BYTES", 64 << 10))  # kept of stdout and of stderr
 FLOOD_BYTES = 64 << 20  # read and dropped past OUTPUT_BYTES; beyond this the program is stopped
 OUTPUT_CHARS = int(os.environ.get("MOLT_SANDBOX_OUTPUT_CHARS", 4096))  # shown to the model
@@ -471,13 +471,13 @@ def run(source: str, stdin: bytes = b"", timeout: float = TIMEOUT, side: bool = 
 _CHECKED: list = []
 # Run as the probe: what the sandbox holds (no capabilities, no new privileges, a seccomp filter). (Its host uid
 # cannot be read from inside: --disable-userns nests one more user namespace, whose uid_map shows bwrap's.)
-PROBE = "print(*[line.split()[1] for line in open('/proc/self/status') if line.startswith(('CapEff', 'NoNew', 'Seccomp:'))])"
+PROBE = ("print(*[line.split()[1] for line in open('/proc/self/status')"
+         " if line.startswith(('CapEff', 'NoNew', 'Seccomp:'))])")
 
 
 def require():
     """Raise SandboxUnavailable (saying what to install) unless a probe runs isolated: bwrap with user namespaces,
-    no capabilities and the seccomp filter. Warn once where the host lets Molt cap the whole
-    sandbox's memory with no cgroup."""
+    no capabilities and the seccomp filter. Warn once where the host lets Molt make no memory cgroup."""
     if _CHECKED:
         return
     if SANDBOX_UID == 0:

@@ -306,8 +306,9 @@ def run_marked(code: str, marker: str, watch, timeout: float = 30):
     thread.start()
     while thread.is_alive():
         procs = marked(marker)
-        if procs:
-            seen.append(watch(procs))
+        with contextlib.suppress(psutil.Error, OSError):  # a process may end between listing and reading it
+            if procs:
+                seen.append(watch(procs))
         time.sleep(0.1)
     thread.join()
     return out[0], seen
@@ -374,13 +375,7 @@ def test_the_memory_cap_holds_for_the_whole_sandbox():
     code = ("import os, sys, time\nfor _ in range(4):\n    if os.fork() == 0:\n"
             f"        os.execv(sys.executable, [sys.executable, '-c', {hog!r}, {marker!r}])\n"
             "while True:\n    try:\n        os.wait()\n    except ChildProcessError:\n        break")
-    def rss(procs):
-        total = 0
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                total += p.memory_info().rss
-        return total
-    _, seen = run_marked(code, marker, rss)
+    _, seen = run_marked(code, marker, lambda ps: sum(p.memory_info().rss for p in ps))
     assert seen and max(seen) <= sandbox.MEMORY + (64 << 20), max(seen) >> 20
 
 
