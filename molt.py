@@ -364,12 +364,21 @@ def check_path(flag: str, value: str):
         raise UsageError(f"{flag} {value}: no such file or directory")
 
 
+PATH_FIELDS = {"--agent": "agent", "--model": "model", "--data": "data.path", "--eval-data": "data.eval_path",
+               "--ref.model": "ref.model", "--offline-samples": "offline_samples", "--data.media-root":
+               "data.media_root", "--run-dir": "run_dir"}
+
+
 def check_paths(cfg: Config):
-    """Every path the user gave, before the run directory, Ray or any engine exists."""
-    for flag, value in {"--model": cfg.model, "--data": cfg.data.path, "--eval-data": cfg.data.eval_path,
-                        "--ref.model": cfg.ref.model, "--offline-samples": cfg.offline_samples,
-                        "--data.media-root": cfg.data.media_root}.items():
-        check_path(flag, value)
+    """Every path the user gave, before the run directory, Ray or any engine exists; each local one is made absolute
+    here, on the driver: actors run in another working directory (and, on a cluster, on other nodes; §4's
+    ray_init)."""
+    for flag, key in PATH_FIELDS.items():
+        value = functools.reduce(getattr, key.split("."), cfg)
+        if flag != "--run-dir":
+            check_path(flag, value)
+        if value and (flag == "--run-dir" or os.path.exists(os.path.expanduser(value))):
+            config_set(cfg, key, os.path.abspath(os.path.expanduser(value)))
 
 
 def resolve_loss_defaults(algo: AlgoConfig) -> AlgoConfig:
@@ -1280,7 +1289,12 @@ def ray_init(cfg: Config):
         env["MOLT_LOG_DIR"] = str(Path(cfg.run_dir, "logs").resolve())
     kw = dict(include_dashboard=False, logging_level="ERROR" if quiet else "WARNING", log_to_driver=not quiet)
     if cfg.ray_address:
-        ray.init(address=cfg.ray_address, runtime_env={"env_vars": env}, **kw)
+        check_ray_auth(cfg.ray_address)
+        # This file's directory (molt.py, agents/, rewards/, small data; not what .gitignore or .rayignore list)
+        # goes to every node once per run as the actors' working directory, which Ray puts first on their
+        # PYTHONPATH; node_path() finds a driver path inside it in each node's copy.
+        env.update(PYTHONPATH=os.environ.get("PYTHONPATH", ""), MOLT_SHIPPED=here)
+        ray.init(address=cfg.ray_address, runtime_env={"env_vars": env, "working_dir": here}, **kw)
         return
     # A local cluster's raylet, and so every worker, inherits this process's environment at ray.init. A job
     # runtime_env instead would keep the workers Ray prestarts from hosting our actors: each actor would start a
@@ -1288,11 +1302,59 @@ def ray_init(cfg: Config):
     saved = dict(os.environ)
     os.environ.update(env)
     try:  # logical CPUs are bookkeeping: more than cores, or actors wait for each other forever
-        ray.init(num_cpus=max(32, 4 * (os.cpu_count() or 1)), **kw)
+        # "local": a new cluster even where this machine runs another (`ray start`) or names a dead one in
+        # /tmp/ray/ray_current_cluster; a bare ray.init() would try to join it
+        ray.init(address="local", num_cpus=max(32, 4 * (os.cpu_count() or 1)), **kw)
     finally:
         os.environ.clear()
         os.environ.update(saved)
     atexit.register(stop_local_ray, not quiet)  # runs before Ray's own exit handler, which then has nothing to do
+
+
+def check_ray_auth(address: str):
+    """Fail at once, in one line, where ray.init would retry for 20 s and end in "Failed to connect": nothing answers
+    at the address, or the cluster wants a token this process does not send. Assumes Ray 2.60: its GCS answers
+    NodeInfoGcsService/GetClusterId (an empty request) and refuses a missing or wrong bearer token UNAUTHENTICATED."""
+    import grpc
+    if address == "auto" or "://" in address:
+        return  # a local cluster found by Ray, or a Ray Client address: neither speaks to the GCS from here
+    source, token = ray_auth_token() if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else ("", "")
+    with grpc.insecure_channel(address) as channel:
+        try:
+            channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetClusterId")(
+                b"", timeout=10, metadata=[("authorization", f"Bearer {token}")] if token else None)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED and not token:
+                raise UsageError(f"the Ray cluster at {address} requires token authentication: set RAY_AUTH_MODE="
+                                 "token, with the cluster's token (`ray get-auth-token` on its head node prints it) "
+                                 "in ~/.ray/auth_token, in the file RAY_AUTH_TOKEN_PATH names, or in RAY_AUTH_TOKEN")
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise UsageError(f"the Ray cluster at {address} refused the token in {source}: it is not this "
+                                 "cluster's (`ray get-auth-token` on its head node prints the right one)")
+            if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise UsageError(f"--ray-address {address}: no Ray cluster answers there ({err.details()})")
+
+
+def ray_auth_token() -> tuple[str, str]:
+    """(where it came from, the token) in Ray's own order: RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names,
+    ~/.ray/auth_token."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN", os.environ["RAY_AUTH_TOKEN"].strip()
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
+    if not path.is_file():
+        raise UsageError(f"RAY_AUTH_MODE=token, but there is no token: not in RAY_AUTH_TOKEN, nor in {path} (`ray "
+                         "get-auth-token` on the cluster's head node prints it)")
+    return str(path), path.read_text().strip()
+
+
+def node_path(path: str) -> str:
+    """A path the driver resolved, as this node sees it: one inside the directory ray_init shipped (MOLT_SHIPPED)
+    is read from this node's copy, the actor's working directory. Any other path is the same on every node (a
+    shared filesystem) or not there at all."""
+    root = os.environ.get("MOLT_SHIPPED")
+    if not path or not root or not os.path.abspath(path).startswith(root + os.sep):
+        return path
+    return os.path.join(os.getcwd(), os.path.relpath(path, root))  # Ray starts each actor in its working_dir
 
 
 def stop_local_ray(linger: bool):
@@ -2740,13 +2802,15 @@ class Batch:
 
 
 def row_images(d: DataConfig, row: dict, codec: Codec) -> list:
-    """A data row's images, decoded within the caps; paths only under the data set's own directory."""
+    """A data row's images, decoded within the caps; paths only under the data set's own directory (this node's copy
+    of it when it was shipped)."""
     refs = row.get(d.image_key) or []
     if refs and codec.processor is None:
         raise ValueError("the row has images but the model is text-only")
-    roots = (d.media_root,) if d.media_root else \
-        tuple(os.path.dirname(os.path.abspath(p)) for p in (d.path, d.eval_path) if p)
-    return [load_image(x, roots, d.image_max_mb, d.image_max_pixels) for x in refs]
+    roots = (node_path(d.media_root),) if d.media_root else \
+        tuple(os.path.dirname(os.path.abspath(node_path(p))) for p in (d.path, d.eval_path) if p)
+    return [load_image(node_path(x) if isinstance(x, str) and os.path.isabs(x) else x, roots, d.image_max_mb,
+                       d.image_max_pixels) for x in refs]
 
 
 class AgentPool:
@@ -2760,7 +2824,7 @@ class AgentPool:
         # reward helpers the agent loads (rewards/sandbox.py) apply the same image caps to what tools save
         os.environ.update(MOLT_IMAGE_MAX_MB=str(cfg.data.image_max_mb),
                           MOLT_IMAGE_MAX_PIXELS=str(cfg.data.image_max_pixels))
-        self.runner = load_agent(agent_path) if agent_path else None
+        self.runner = load_agent(node_path(agent_path)) if agent_path else None
         self.codec, self.router = Codec(model_path), Router(engines)
         self.server = LoopbackServer(cfg, self.codec, self.router)
         self.watchdog = None
@@ -4477,8 +4541,8 @@ CONTINUITY = ("model", "data.path", "data.max_prompts", "data.shuffle", "seed", 
 
 def find_run_dir(cfg: Config) -> str:
     if cfg.run_dir or not cfg.resume:
-        return cfg.run_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    runs = sorted(p for p in Path("runs").glob("*") if (p / "config.json").exists())
+        return cfg.run_dir or os.path.abspath(os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")))
+    runs = sorted(p for p in Path("runs").resolve().glob("*") if (p / "config.json").exists())
     if not runs:
         raise UsageError("--resume without --run-dir resumes the newest run under runs/, and there is no run to "
                          f"resume in {Path('runs').resolve()}")
@@ -4727,6 +4791,9 @@ def launch(cfg: Config, rows: list[dict], data_id: str, ckpt: Path | None):
     ray.get([p.ping.remote() for p in pools])  # an agent module that fails to import fails the launch, clearly
     import torch  # noqa: F401 - the first step needs it here (advantages): imported while the engines still load
     ray.get(engines_ready, timeout=cfg.engine.startup_timeout)
+    record_placement(cfg, {**{f"engine-{i}": e for i, e in enumerate(engines)},
+                           **{f"pool-{i}": p for i, p in enumerate(pools)},
+                           **{f"{role}-{r}": w for role, g in models.items() for r, w in enumerate(g.workers)}})
     rollout = resumed_rollout(ckpt, state.get("data") != data_id)
     manager = RolloutManager(cfg, rows, pools, rollout, engines) if engines else None
     if manager:  # on its own event-loop thread in the driver: one process and one copy of every batch fewer
@@ -4734,6 +4801,24 @@ def launch(cfg: Config, rows: list[dict], data_id: str, ckpt: Path | None):
         threading.Thread(target=manager.loop.run_forever, name="rollout", daemon=True).start()
         manager.loop.call_soon_threadsafe(manager.fill)  # async runs start sampling while the loop sets up
     return step, engines, models, manager
+
+
+def record_placement(cfg: Config, actors: dict):
+    """Which node each actor landed on, in RUN_DIR/placement.json ({node id: {"ip", "actors"}}); on a cluster of
+    more than one node, also on the console. A lost node is named from it (crash_report)."""
+    import ray
+
+    def node_and_id(_):
+        return ray.get_runtime_context().get_node_id(), ray.get_runtime_context().get_actor_id()
+    where = ray.get([a.__ray_call__.remote(node_and_id) for a in actors.values()])
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    nodes = {}
+    for name, (node, actor_id) in zip(actors, where):
+        nodes.setdefault(node, {"ip": ips.get(node, "?"), "actors": {}})["actors"][name] = actor_id
+    Path(cfg.run_dir, "placement.json").write_text(json.dumps(nodes, indent=1))
+    if len(nodes) > 1:
+        print(f"[molt] {len(nodes)} nodes: " + "; ".join(f"{k[:8]} ({v['ip']}) {', '.join(v['actors'])}"
+                                                        for k, v in nodes.items()), file=sys.stderr)
 
 
 def rollout_call(manager: RolloutManager, method: str, *args):
@@ -4895,10 +4980,32 @@ def crash_report(cfg: Config, err: Exception):
     lines = [x.strip() for x in str(err).splitlines() if x.strip()] or [type(err).__name__]
     where = re.search(r"ray::(\w+\.\w+)", str(err))
     head = f"{type(cause).__name__}: {cause}" if isinstance(cause, Exception) else lines[-1]
-    notes = [f"  {path}: {line}" for path, line in logged_errors(logs, head)]
+    notes = [f"  {path}: {line}" for path, line in logged_errors(logs, head)] + lost_node(cfg, str(err))
     raise SystemExit("\n".join([f"molt: error{' in ' + where.group(1) if where else ''}: {head}", *notes,
                                 f"  traceback in {logs / 'driver.log'}; every component's log in {logs}/ (or rerun "
                                 "with --verbose)"]))
+
+
+def lost_node(cfg: Config, error: str, wait: float = 40.0) -> list[str]:
+    """A line naming the node that left the cluster, when the actor the error names ran on one (RUN_DIR/placement.json).
+    Ray marks a node dead only once its heartbeats stop for a while (about 15 s in Ray 2.60): wait for that verdict
+    rather than guess from one unreachable actor."""
+    import ray
+    placement = Path(cfg.run_dir, "placement.json")
+    if not cfg.ray_address or not ray.is_initialized() or not placement.exists():
+        return []  # a local cluster's one node is this machine
+    ids = set(re.findall(r"\b[0-9a-f]{32}\b", error))
+    hit = [(node, v) for node, v in json.loads(placement.read_text()).items() if ids & set(v["actors"].values())]
+    deadline = time.time() + wait
+    while hit and time.time() < deadline:
+        dead = {n["NodeID"]: n for n in ray.nodes() if not n["Alive"]}
+        if hit[0][0] in dead:
+            (node, v), why = hit[0], dead[hit[0][0]].get("DeathReasonMessage") or "no reason given"
+            ckpts = sorted(Path(cfg.run_dir, "checkpoints").glob("step_*"))
+            return [f"  node {node[:8]} ({v['ip']}) left the Ray cluster ({why}) with {', '.join(v['actors'])}; "
+                    f"--resume continues from {ckpts[-1].name if ckpts else 'step 0'} once the cluster has room again"]
+        time.sleep(1.0)
+    return []
 
 
 def logged_errors(logs: Path, head: str) -> list[tuple[Path, str]]:

@@ -5,6 +5,7 @@ import copy
 import functools
 import json
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -652,6 +653,31 @@ def test_a_text_only_model_refuses_images_before_decoding_them(engine, tiny):
         return out
     status, body = run(main())
     assert status == 400 and "does not take images" in body["error"]["message"]  # not the pixel cap: never decoded
+
+
+def test_an_actor_on_another_node_reads_the_shipped_agent_and_images_from_its_copy(tiny_vl, tmp_path,
+                                                                                   monkeypatch):
+    """On a cluster the driver's paths inside the shipped directory (MOLT_SHIPPED) do not exist on the other nodes:
+    the agent module and a data row's images (relative to the data file, or absolute) come from the node's copy, the
+    actor's working directory."""
+    driver, copy_ = tmp_path / "fork", tmp_path / "ray_pkg"
+    (copy_ / "agents").mkdir(parents=True)
+    (copy_ / "data").mkdir()
+    (copy_ / "agents" / "mine.py").write_text((Path(molt.__file__).parent / "agents" / "copy.py").read_text())
+    (copy_ / "data" / "a.png").write_bytes(png_bytes((56, 56)))
+    monkeypatch.setenv("MOLT_SHIPPED", str(driver))
+    monkeypatch.chdir(copy_)
+    assert molt.node_path(str(driver / "agents" / "mine.py")) == str(copy_ / "agents" / "mine.py")
+    assert molt.node_path(str(tmp_path / "fork2" / "x.py")) == str(tmp_path / "fork2" / "x.py")  # not inside it
+    assert molt.node_path("/shared/model") == "/shared/model"
+    pool = molt.AgentPool(small_config(**{"data.path": str(driver / "data" / "rows.jsonl")}),
+                          str(driver / "agents" / "mine.py"), tiny_vl, [])
+    assert sys.modules[pool.runner.env_cls.__module__].__file__ == str(copy_ / "agents" / "mine.py")
+    images = molt.row_images(pool.cfg.data, {"images": ["a.png", str(driver / "data" / "a.png")]}, pool.codec)
+    assert [im.size for im in images] == [(56, 56)] * 2
+    monkeypatch.delenv("MOLT_SHIPPED")  # a single node: the path is the path
+    with pytest.raises(FileNotFoundError):
+        molt.row_images(pool.cfg.data, {"images": ["a.png"]}, pool.codec)
 
 
 def test_data_row_images_come_only_from_the_data_directory(tiny_vl, tmp_path):

@@ -1,4 +1,5 @@
 """Section 1: the config tree, its flags and the launch refusals (each names the flag the user must change)."""
+import socket
 import subprocess
 import sys
 import time
@@ -151,3 +152,24 @@ def test_a_hub_id_is_not_mistaken_for_a_path():
     molt.check_path("--data", "openai/gsm8k")
     with pytest.raises(molt.UsageError, match="--data data/gsm8k.jsonl"):
         molt.check_path("--data", "data/gsm8k.jsonl")
+
+
+def test_local_paths_are_made_absolute_on_the_driver_and_hub_ids_are_left(tmp_path, monkeypatch):
+    """Actors run in another working directory (on a cluster, Ray's copy of the shipped directory): every local path
+    they get was resolved where the user typed it."""
+    monkeypatch.chdir(ROOT)
+    cfg = molt.parse_config(["--agent", "agents/copy.py", "--model", "Qwen/Qwen3-4B", "--run-dir", "runs/x",
+                             "--eval-data", "examples/math_tiny.jsonl"])
+    molt.check_paths(cfg)
+    assert cfg.agent == str(ROOT / "agents" / "copy.py") and cfg.run_dir == str(ROOT / "runs" / "x")
+    assert cfg.data.path == str(ROOT / "examples" / "copy.jsonl")  # the agent's DEFAULTS had "agents/../examples"
+    assert cfg.data.eval_path == str(ROOT / "examples" / "math_tiny.jsonl")
+    assert cfg.model == "Qwen/Qwen3-4B"
+
+
+def test_a_ray_address_nobody_answers_fails_at_once_naming_it():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: refused
+        with pytest.raises(molt.UsageError, match=f"--ray-address 127.0.0.1:{port}: no Ray cluster answers there"):
+            molt.check_ray_auth(f"127.0.0.1:{port}")
