@@ -373,7 +373,7 @@ PATH_FIELDS = {"--agent": "agent", "--model": "model", "--data": "data.path", "-
 
 def check_paths(cfg: Config):
     """Every path the user gave, before the run directory, Ray or any engine exists; each local one is made absolute
-    here, on the driver: actors run in another working directory (and, on a cluster, on other nodes; §4's
+    here, on the driver: actors run in another working directory (and, on a cluster, on other nodes; Appendix A's
     ray_init)."""
     for flag, key in PATH_FIELDS.items():
         value = functools.reduce(getattr, key.split("."), cfg)
@@ -392,7 +392,7 @@ def resolve_loss_defaults(algo: AlgoConfig) -> AlgoConfig:
 
 
 def validate_config(cfg: Config) -> Config:
-    """Fail at launch, naming the flag, rather than minutes into a run. Estimator needs come from ESTIMATORS (§8)."""
+    """Fail at launch, naming the flag, rather than minutes into a run. Estimator needs come from ESTIMATORS (§9)."""
     algo, ro = resolve_loss_defaults(cfg.algo), cfg.rollout
     est = ESTIMATORS[algo.estimator]
     if ro.agent_pools < 0:
@@ -547,7 +547,7 @@ def cluster_gpus() -> float:
     return ray.cluster_resources().get("GPU", 0)
 
 
-MEDIA_BIAS = -100.0  # logit bias on image/video placeholder ids, in the engine and in the trainer alike (§4, §9)
+MEDIA_BIAS = -100.0  # logit bias on image/video placeholder ids, in the engine and in the trainer alike (§4, §13)
 
 
 LOG_RATIO_CLAMP = 30.0  # |log ratio| cap before exp(): exp(30) ~ 1e13 is finite in fp32; beyond, ratios carry no signal
@@ -833,7 +833,7 @@ class Episode:
 
 class Runner:
     """Runs one episode and returns its Samples (several when a chat agent's context was rewritten). pool is the
-    AgentPool (§7): its codec renders and tokenizes, sample_turn samples, server serves chat agents."""
+    AgentPool (§8): its codec renders and tokenizes, sample_turn samples, server serves chat agents."""
 
     async def run(self, ep: Episode, pool) -> list[Sample]:
         raise NotImplementedError
@@ -994,7 +994,7 @@ def engine_args(cfg: Config, model_path: str, index: int):
               enable_return_routed_experts=cfg.train.routing_replay or cfg.train.routing_capture)
     if cuda:
         kw["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
-        kw["weight_transfer_config"] = {"backend": "nccl"}  # vLLM's own trainer -> engine transfer (§11)
+        kw["weight_transfer_config"] = {"backend": "nccl"}  # vLLM's own trainer -> engine transfer (§15)
         kw.update(data_parallel_size=cfg.engine.dp_size, enable_expert_parallel=cfg.engine.expert_parallel)
         if cfg.engine.mtp_tokens:
             kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": cfg.engine.mtp_tokens}
@@ -1039,7 +1039,7 @@ def media_tokens(hf_config) -> list[int]:
 
 
 class EngineActor:
-    """A vLLM AsyncLLM in a Ray actor: EngineRequests in, Completions out. update() loads new weights (§11)."""
+    """A vLLM AsyncLLM in a Ray actor: EngineRequests in, Completions out. update() loads new weights (§15)."""
 
     @start_up
     def __init__(self, cfg: Config, model_path: str, index: int):
@@ -1059,7 +1059,7 @@ class EngineActor:
         self.resumed = asyncio.Event()
         self.resumed.set()
         self.aborting, self.tokens_discarded, self.requests, self.generated, self.inflight = False, 0, 0, 0, 0
-        self.shm = None  # weight buffers of its own, only on a node without a trainer (§11)
+        self.shm = None  # weight buffers of its own, only on a node without a trainer (§15)
 
     async def set_version(self, version: int = 0) -> int:
         """Label what the engine samples from now on (weights loaded from a checkpoint of step N are version N)."""
@@ -1166,10 +1166,10 @@ class EngineActor:
         return completions
 
     async def update(self, source: dict, version: int, check: bool = False) -> dict:
-        return await engine_update(self, source, version, check)  # §11
+        return await engine_update(self, source, version, check)  # §15
 
     async def transfer(self, call: str, arg=None):
-        return await NATIVE_TRANSFER[call](self, arg)  # §11, CUDA only
+        return await NATIVE_TRANSFER[call](self, arg)  # §15, CUDA only
 
     def node(self) -> str:
         import ray
@@ -3069,7 +3069,7 @@ def adv_on_policy_distill(algo, b):
 
 @dataclass(frozen=True)
 class Estimator:
-    """An advantage estimator and what it needs from the run; launch checks (§1) and learn (§9) read these."""
+    """An advantage estimator and what it needs from the run; launch checks (§1) and learn (§11) read these."""
     fn: Callable
     groups: bool = False  # a baseline over the samples of one prompt: needs n_samples_per_prompt >= 2
     token_rewards: bool = False  # builds per-token rewards, so the KL can go into the reward (--algo.kl-in-reward)
@@ -3199,66 +3199,40 @@ def aggregate(loss, mask, mode: str, n_tokens: float, n_seqs: float):
 # ======================================================================================================
 
 
-def policy_microbatch_loss(w, mb: dict, n_tokens: float, n_seqs: float):
-    """The policy's share of the batch loss for one micro-batch, and its metrics as (sum, count) pairs."""
+def policy_microbatch_loss(algo: AlgoConfig, logp, old, behaviour, adv, mask, n_tokens: float, n_seqs: float,
+                           ref=None, entropy=None):
+    """The policy's share of the batch loss on one micro-batch, a pure function of [B, S] tensors: logp (with
+    gradients) and entropy from this forward, old = the trainer's log-probs before this step's updates, behaviour =
+    the engine's at sampling time, ref = the reference's (or teacher's) when the KL is in the loss. n_tokens / n_seqs
+    count the whole mini-batch over all ranks, so micro-batching and sharding leave the loss exact.
+    -> (loss, stats {name: (sum, count) over the mask}, per-token IS weight and gate [B, S] for the sample dump)."""
     import torch
-    logp, entropy = step_logprobs(w, mb, True)
-    mask = mb["mask"]
-    old = mb["old"] if "old" in mb else logp.detach()
-    loss_tok, st = policy_loss(w.cfg.algo, logp, old, mb["behaviour"], mb["adv"], mask, mb.get("ref"),
-                               entropy if w.cfg.algo.entropy_coef else None)
-    loss = aggregate(loss_tok, mask, w.cfg.algo.loss_agg, n_tokens, n_seqs)
+    loss_tok, st = policy_loss(algo, logp, old, behaviour, adv, mask, ref, entropy if algo.entropy_coef else None)
+    loss = aggregate(loss_tok, mask, algo.loss_agg, n_tokens, n_seqs)
     n = float(mask.sum())
-    gap = (old - mb["behaviour"]).abs()
+    ratio = torch.exp(log_ratio(old, behaviour)).clamp(max=1e4)
     stats = {"loss/policy": ((loss_tok.detach() * mask).sum(), n), "entropy": ((entropy.detach() * mask).sum(), n),
-             "rollout/logprob_gap": ((gap * mask).sum(), n),
-             "rollout/ratio_mean": ((torch.exp(log_ratio(old, mb["behaviour"])).clamp(max=1e4) * mask).sum(), n)}
-    for key, val in st.items():
-        stats[key] = ((val * mask).sum(), n)
-    if w.cfg.dump_samples:  # the trainer's view of each token, for the sample dump and the viewer  [B, S] each
-        w.token_view = {"trainer_logprobs": old, "is_weight": st["is/weight"], "is_masked": st["is/masked_frac"]}
-    mismatch = [r.molt_mismatch for r in w.model._molt_routers if getattr(r, "molt_mismatch", None) is not None]
-    if mismatch:  # (token, layer) selections where the engine and this forward chose different experts
-        stats["moe/routing_mismatch"] = (sum(float(d.sum()) for d, _ in mismatch),
-                                         sum(float(v.sum()) for _, v in mismatch))
-    return loss, stats
+             "rollout/logprob_gap": (((old - behaviour).abs() * mask).sum(), n),
+             "rollout/ratio_mean": ((ratio * mask).sum(), n), **{k: ((v * mask).sum(), n) for k, v in st.items()}}
+    return loss, stats, {"is_weight": st["is/weight"], "is_masked": st["is/masked_frac"]}
 
 
-def value_microbatch_loss(w, mb: dict, n_tokens: float, n_seqs: float):
-    """Clipped value loss 0.5 * max((V - R)^2, (V_old + clip(V - V_old) - R)^2), token-mean over the batch."""
+def value_microbatch_loss(critic: CriticConfig, v, returns, old, mask, n_tokens: float):
+    """Clipped value loss 0.5 * max((V - R)^2, (V_old + clip(V - V_old) - R)^2), token-mean over the mini-batch.
+    v [B, S] carries gradients; old = the critic's values before this step. -> (loss, stats)."""
     import torch
-    v = step_values(w, mb)
-    mask, ret, old = mb["mask"], mb["returns"], mb["values"]
-    loss_tok = (v - ret) ** 2
-    c = w.cfg.critic.value_clip
+    loss_tok = (v - returns) ** 2
+    c = critic.value_clip
     if c:
-        loss_tok = torch.maximum(loss_tok, (old + (v - old).clamp(-c, c) - ret) ** 2)
-    loss = aggregate(0.5 * loss_tok, mask, "token", n_tokens, n_seqs)
+        loss_tok = torch.maximum(loss_tok, (old + (v - old).clamp(-c, c) - returns) ** 2)
+    loss = aggregate(0.5 * loss_tok, mask, "token", n_tokens, 1.0)
     return loss, {"loss/value": ((0.5 * loss_tok.detach() * mask).sum(), float(mask.sum()))}
 
 
-def sft_microbatch_loss(w, mb: dict, n_tokens: float, n_seqs: float):
-    """Supervised fine-tuning: mean negative log-likelihood of the assistant tokens (mask) over the whole batch."""
-    logp, _ = step_logprobs(w, mb)
-    nll = -(logp * mb["mask"]).sum()
-    return nll / max(n_tokens, 1.0), {"loss/sft": (nll.detach(), float(mb["mask"].sum()))}
-
-
-@dataclass(frozen=True)
-class Role:
-    """What a model group is for. loss: its micro-batch training loss (None: frozen, forward only); lr: its learning
-    rate; value: it outputs one value per token (a token-classification head) instead of next-token log-probs;
-    sharded: it runs on --train.num-ranks ranks (else one)."""
-    loss: Callable | None = None
-    lr: Callable | None = None
-    value: bool = False
-    sharded: bool = True
-
-
-ROLES = {"policy": Role(loss=policy_microbatch_loss, lr=lambda cfg: cfg.train.lr),
-         "sft": Role(loss=sft_microbatch_loss, lr=lambda cfg: cfg.train.lr),
-         "ref": Role(sharded=False),
-         "critic": Role(loss=value_microbatch_loss, lr=lambda cfg: cfg.critic.lr, value=True)}
+def sft_microbatch_loss(logp, mask, n_tokens: float):
+    """Supervised fine-tuning: mean negative log-likelihood of the assistant tokens (mask) over the mini-batch."""
+    nll = -(logp * mask).sum()
+    return nll / max(n_tokens, 1.0), {"loss/sft": (nll.detach(), float(mask.sum()))}
 
 
 # ======================================================================================================
@@ -3686,6 +3660,42 @@ def step_values(w, mb: dict):
     return (unpacked(v, mb) if "flat" in mb else v)[:, :-1]
 
 
+def policy_on_worker(w, mb: dict, n_tokens: float, n_seqs: float):
+    """The policy role on worker w: its forward, the loss (section 10), the dump's per-token view, MoE routing."""
+    logp, entropy = step_logprobs(w, mb, True)
+    old = mb["old"] if "old" in mb else logp.detach()  # one update per step: this forward's own are exact
+    loss, stats, per_token = policy_microbatch_loss(w.cfg.algo, logp, old, mb["behaviour"], mb["adv"], mb["mask"],
+                                                    n_tokens, n_seqs, mb.get("ref"), entropy)
+    if w.cfg.dump_samples:  # the trainer's view of each token, for the sample dump and the viewer
+        w.token_view = {"trainer_logprobs": old, **per_token}
+    return loss, {**stats, **routing_mismatch(w.model)}
+
+
+def critic_on_worker(w, mb: dict, n_tokens: float, n_seqs: float):
+    return value_microbatch_loss(w.cfg.critic, step_values(w, mb), mb["returns"], mb["values"], mb["mask"], n_tokens)
+
+
+def sft_on_worker(w, mb: dict, n_tokens: float, n_seqs: float):
+    return sft_microbatch_loss(step_logprobs(w, mb)[0], mb["mask"], n_tokens)
+
+
+@dataclass(frozen=True)
+class Role:
+    """What a model group is for. loss: its micro-batch training loss (None: frozen, forward only); lr: its learning
+    rate; value: it outputs one value per token (a token-classification head) instead of next-token log-probs;
+    sharded: it runs on --train.num-ranks ranks (else one)."""
+    loss: Callable | None = None
+    lr: Callable | None = None
+    value: bool = False
+    sharded: bool = True
+
+
+ROLES = {"policy": Role(loss=policy_on_worker, lr=lambda cfg: cfg.train.lr),
+         "sft": Role(loss=sft_on_worker, lr=lambda cfg: cfg.train.lr),
+         "ref": Role(sharded=False),
+         "critic": Role(loss=critic_on_worker, lr=lambda cfg: cfg.critic.lr, value=True)}
+
+
 def lr_lambda(cfg: TrainConfig, total_steps: int):
     def f(step):
         if step < cfg.warmup_steps:
@@ -3705,7 +3715,7 @@ def automodel_backend(cfg: Config, cuda: bool) -> bool:
 
 def build_model(cfg: Config, path: str, role: str, hf_config, world: int, cuda: bool):
     """The role's model. The policy comes from AutoModel when that backend is chosen; the critic is always a
-    transformers value model (AutoModel builds language models only); every path gets the MoE router flags (§10)."""
+    transformers value model (AutoModel builds language models only); every path gets the MoE router flags (§14)."""
     vlm = hasattr(hf_config, "vision_config")
     if ROLES[role].value and vlm:
         raise ValueError("the gae critic supports text models only")
@@ -3801,7 +3811,7 @@ class ModelWorker:
     def __init__(self, cfg: Config, model_path: str, role: str, rank: int, world: int):
         capture_logs(f"{role}-{rank}")
         self.cfg, self.path, self.role, self.rank, self.world = cfg, model_path, role, rank, world
-        self.spec, self.shm = ROLES[role], None  # shm: the weight-sync buffers (§11), rank 0 only
+        self.spec, self.shm = ROLES[role], None  # shm: the weight-sync buffers (§15), rank 0 only
         self.token_view, self.views = None, {}  # the trainer's per-token view of this step's samples (--dump-samples)
         resolve_loss_defaults(cfg.algo)  # a Config built in code rather than parsed still gets its loss's defaults
 
@@ -3921,14 +3931,14 @@ class ModelWorker:
     def export_weights(self, bucket_mb: int, local: bool = True, store: bool = False) -> dict | None:
         if local and self.rank == 0:
             self.shm = self.shm or ShmBuckets()
-        return export_buckets(self.model, self.rank, self.tied, bucket_mb, self.shm if local else None, store)  # §11
+        return export_buckets(self.model, self.rank, self.tied, bucket_mb, self.shm if local else None, store)  # §15
 
     def release_weights(self):
         if self.shm:
             self.shm.close()
 
     def native_sync(self, engines: list, version: int) -> dict | None:
-        """One update through vLLM's NCCL transfer (§11); -> the engines' reports and the bytes sent, on rank 0."""
+        """One update through vLLM's NCCL transfer (§15); -> the engines' reports and the bytes sent, on rank 0."""
         self.sender = getattr(self, "sender", None) or native_sender(self, engines)
         self.sender.client.version = version
         self.sender.send_weights()
@@ -4094,6 +4104,15 @@ def set_routing(model, routing):
         layer = router.molt_layer
         router.molt_target = None if routing is None or layer >= routing.shape[2] else \
             routing[:, :, layer, :].reshape(-1, routing.shape[-1]).long()
+
+
+def routing_mismatch(model) -> dict:
+    """{"moe/routing_mismatch": (sum, count)}: the (token, layer) selections of the last forward where the engine and
+    the trainer chose different experts; empty when nothing was replayed."""
+    pairs = [r.molt_mismatch for r in model._molt_routers if r.molt_mismatch is not None]
+    if not pairs:
+        return {}
+    return {"moe/routing_mismatch": (sum(float(d.sum()) for d, _ in pairs), sum(float(v.sum()) for _, v in pairs))}
 
 
 def routing_batch(rows: list[Sample], T: int, device):
