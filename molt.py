@@ -760,7 +760,7 @@ class ChatContext:
 
     def openai(self, **kw):
         """An AsyncOpenAI client for this session. Clients share one connection pool per event loop: building a
-        fresh AsyncOpenAI costs ~50 ms, more than a short turn."""
+        fresh AsyncOpenAI costs more than a short turn."""
         return _shared_client("openai").with_options(base_url=self.base_url, api_key=self.api_key, **kw)
 
     def anthropic(self, **kw):
@@ -1011,11 +1011,9 @@ def engine_args(cfg: Config, model_path: str, index: int):
 
 def start_up(fn):
     """For what builds a process's libraries and objects (an actor's constructor, a model's setup, the launch): Python's
-    garbage collector stays off while it runs, then what it built is frozen out of later collections. Measured on the
-    copy task: during start-up, full collections that found almost nothing took 2.8 s of the engine actor's (its
-    critical path), 0.9 s of the trainer's and 0.8 s of the pool's; afterwards, each full collection walked the
-    millions of objects torch, transformers and vLLM leave behind and stalled a process for 100-450 ms every second
-    or two (10 stalls in 200 steps, the mean step 14 % over the median)."""
+    garbage collector stays off while it runs, then what it built is frozen out of later collections. Otherwise full
+    collections during start-up walk everything just imported and find almost nothing, and afterwards each one walks
+    the millions of objects torch, transformers and vLLM leave behind and stalls the process it runs in."""
     import functools
     import gc
 
@@ -1165,12 +1163,6 @@ class EngineActor:
             c.temperature = params.temperature
         return completions
 
-    async def update(self, source: dict, version: int, check: bool = False) -> dict:
-        return await engine_update(self, source, version, check)  # §15
-
-    async def transfer(self, call: str, arg=None):
-        return await NATIVE_TRANSFER[call](self, arg)  # §15, CUDA only
-
     def node(self) -> str:
         import ray
         return ray.get_runtime_context().get_node_id()
@@ -1179,8 +1171,98 @@ class EngineActor:
         return {"tokens_discarded": self.tokens_discarded, "requests": self.requests, "version": self.version,
                 "generated": self.generated, "inflight": self.inflight}
 
-    async def shutdown(self):
-        self.engine.shutdown()
+    # -- a weight update: pause with requests kept, load, resume as the new version (§15 sends the weights) ---------
+    async def update(self, source: dict, version: int, check: bool = False) -> dict:
+        """One weight update of this engine: pause (requests kept in place; abort mode restarts them), stage, load,
+        resume as `version`. A token's version must name the weights that fully produced it, so a failure never
+        relabels:
+        - staging fails (no space in shared memory, a lost object): nothing was loaded, so the engine resumes with its
+          old weights under its old version, and says so;
+        - loading fails part-way (twice): the weights are neither version, so the engine leaves the run without
+          sampling again; its requests fail over to the other engines (§5) and the trainer learns of it when it waits
+          for the update. Rolling back instead would need a second copy of the weights per engine (host memory the
+          size of the model), and restarting it would need them on disk: the run goes on with the other engines, or
+          stops with a clear error when none is left."""
+        await self.pause()
+        where = {"engine": self.index, "version": version}
+        report = {"engine": self.index, "version": version, "missing": None, "failed": None}
+        try:
+            files = await self.stage(source, where)
+        except Exception as err:  # noqa: BLE001 - nothing was loaded: the old weights and label stay true
+            await self.resume(self.version)
+            return {**report, "version": self.version, "failed": f"{type(err).__name__}: {err}",
+                    "tokens_discarded": self.tokens_discarded}
+        for attempt in (1, 2):
+            try:
+                loaded = await self.engine.collective_rpc("molt_load_weights", args=(files, check, where))
+                report["missing"] = loaded[0]
+                break
+            except Exception as err:  # noqa: BLE001
+                _exit_if_engine_dead(err)
+                if attempt == 2:
+                    _leave(f"loading version {version} failed twice ({type(err).__name__}: {err}); its weights are "
+                           "now partly new, so this engine leaves the run")
+        await self.resume(version)
+        return {**report, "tokens_discarded": self.tokens_discarded}
+
+    async def stage(self, source: dict, where: dict) -> list[str]:
+        """The bucket files this engine's workers load: on the trainer's node, the trainer's own (written once for
+        every engine there); on another node the buckets come through the Ray object store and this engine writes
+        them into shared memory on its node first."""
+        import errno
+        if source.get("files"):
+            files = source["files"]
+        else:
+            self.shm = self.shm or ShmBuckets()
+            files = [self.shm.write(k, await ref) for k, ref in enumerate(source["refs"])]
+        if fault("stage", **where):
+            raise OSError(errno.ENOSPC, f"{shm_dir()}: no space left (injected)")
+        missing = [f for f in files if not os.path.exists(f)]
+        if missing:  # "same node" but another /dev/shm (a container boundary): nothing to load
+            raise FileNotFoundError(f"{len(missing)} weight files not visible from this engine, e.g. {missing[0]}")
+        return files
+
+    async def pause(self):
+        self.resumed.clear()  # new requests wait for the resume
+        self.aborting = self.cfg.rollout.update_mode == "abort"
+        await vllm_pause(self.engine, "abort" if self.aborting else "keep")
+
+    async def resume(self, version: int):
+        # Running requests are preempted so their KV is recomputed under the new weights (their tokens are kept),
+        # and no later request can reuse a prefix cached by the old weights. A VLM's image embeddings are dropped on
+        # both sides too (scheduler and worker): kept, they are stale, and vllm 0.32 otherwise misses its encoder
+        # cache for a preempted image request ("Encoder cache miss") and kills the engine.
+        await self.engine.reset_prefix_cache(reset_running_requests=True)
+        if self.image_token is not None:
+            await self.engine.reset_encoder_cache()
+        await self.set_version(version)
+        await self.engine.resume_generation()
+        self.aborting = False
+        self.resumed.set()
+
+    # -- vLLM's own weight transfer on CUDA (NCCL). Assumes vLLM 0.32 (vllm.distributed.weight_transfer): the
+    # trainer's rank 0 is NCCL rank 0 of a group with every engine worker; vLLM's trainer engine drives the four
+    # calls of its VLLMWeightSyncClient protocol, which EngineSyncClient (§15) maps onto these, with Molt's
+    # semantics: start pauses with requests kept, finish labels the new version and resumes. Not exercised on the
+    # development machine (no GPU): scripts/gpu_check.py's weight-sync check does.
+    async def native_init(self, info: dict):
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+        info = {**info, "rank_offset": transfer_ranks(self.cfg, self.index, 1)[0]}
+        await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
+
+    async def native_start(self, _=None):
+        await self.pause()
+        await self.engine.start_weight_update()
+
+    async def native_chunk(self, info: dict):
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+        await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+
+    async def native_finish(self, version: int) -> dict:
+        await self.engine.finish_weight_update()
+        await self.resume(version)
+        return {"engine": self.index, "version": version, "missing": None, "failed": None,
+                "tokens_discarded": self.tokens_discarded}
 
 
 def _exit_if_engine_dead(err: Exception):
@@ -1383,7 +1465,7 @@ def template_variables(source) -> set[str]:
 
 def trie_pattern(words: list[str]) -> str:
     """A regex matching the longest of words at a position, as a trie: DeepSeek-V3 has 800 special tokens, and as a
-    plain alternation each '<' of a text would try them all (28 ms for 116 KB of HTML; a trie keeps it linear)."""
+    plain alternation each '<' of a text would try them all; a trie keeps it linear."""
     trie: dict = {}
     for word in words:
         node = trie
@@ -1406,7 +1488,7 @@ class Codec:
     def __init__(self, model_path: str):
         from transformers import AutoTokenizer
         self.processor = None
-        if is_vlm(model_path):  # (AutoProcessor imports torchvision and torch's compiler: ~0.4 s, VLMs only)
+        if is_vlm(model_path):  # (AutoProcessor imports torchvision and torch's compiler: VLMs only)
             from transformers import AutoProcessor
             self.processor = AutoProcessor.from_pretrained(model_path)
         self.tokenizer = self.processor.tokenizer if self.processor else AutoTokenizer.from_pretrained(model_path)
@@ -1793,6 +1875,29 @@ MAX_HEADER_BYTES = 64 * 1024  # one header line; beyond it aiohttp's parser answ
 REFUSED = {"logit_bias", "min_p", "repetition_penalty", "top_a", "typical_p", "tfs"}
 
 
+# The numeric sampling fields of each wire: (its key, ours (vLLM's), lowest, highest, integer only). Where two keys
+# fill one of ours, the first one set wins (OpenAI's max_completion_tokens over its older max_tokens).
+OPENAI_SAMPLING = (("max_completion_tokens", "max_tokens", 1, 1 << 30, True),
+                   ("max_tokens", "max_tokens", 1, 1 << 30, True),
+                   ("temperature", "temperature", 0, 2, False),
+                   ("top_p", "top_p", 0, 1, False),
+                   ("seed", "seed", -(1 << 63), 1 << 63, True))
+ANTHROPIC_SAMPLING = (("max_tokens", "max_tokens", 1, 1 << 30, True),
+                      ("temperature", "temperature", 0, 1, False),
+                      ("top_p", "top_p", 0, 1, False),
+                      ("top_k", "top_k", -1, 1 << 20, True),
+                      ("seed", "seed", -(1 << 63), 1 << 63, True))  # not Anthropic's, but vLLM takes it
+
+
+def sampling_fields(body: dict, rows: tuple) -> dict:
+    """The body's numeric sampling fields under our names, each checked against its row's range."""
+    out: dict = {}
+    for key, ours, lo, hi, integer in rows:
+        value = _number(body, key, lo, hi, integer)
+        out[ours] = value if out.get(ours) is None else out[ours]
+    return out
+
+
 def _require(cond, message: str, status: int = 400):
     if not cond:
         raise WireError(status, message)
@@ -1961,11 +2066,7 @@ def decode_openai(body: dict) -> Turn:
                 usage_in_stream=bool(stream_options.get("include_usage")),
                 tool_choice=_tool_choice(body.get("tool_choice"), tools),
                 top_logprobs=(top or 0) if body.get("logprobs") else None, template=template,
-                sampling={"max_tokens": _number(body, "max_completion_tokens", 1, 1 << 30, True) or
-                          _number(body, "max_tokens", 1, 1 << 30, True),
-                          "temperature": _number(body, "temperature", 0, 2), "top_p": _number(body, "top_p", 0, 1),
-                          "seed": _number(body, "seed", -(1 << 63), 1 << 63, True),
-                          "stop": _stops(body.get("stop"), "stop"),
+                sampling={**sampling_fields(body, OPENAI_SAMPLING), "stop": _stops(body.get("stop"), "stop"),
                           "structured_outputs": _response_format(body.get("response_format"))})
 
 
@@ -2047,7 +2148,8 @@ def decode_anthropic(body: dict) -> Turn:
     """Anthropic messages body -> wire-neutral Turn (metadata, service_tier and other fields with no effect on
     sampling are ignored; thinking reaches the chat template as enable_thinking)."""
     _require(isinstance(body.get("messages"), list) and body["messages"], "'messages' must be a non-empty list")
-    _require(_number(body, "max_tokens", 1, 1 << 30, True) is not None, "'max_tokens' is required")
+    sampling = sampling_fields(body, ANTHROPIC_SAMPLING)
+    _require(sampling["max_tokens"] is not None, "'max_tokens' is required")
     system = _system(body.get("system"))
     msgs = ([{"role": "system", "content": system}] if system else []) + \
         [x for i, m in enumerate(body["messages"]) for x in _anthropic_message(m, i)]
@@ -2058,10 +2160,7 @@ def decode_anthropic(body: dict) -> Turn:
     return Turn(messages=msgs, tools=tools, stream=bool(body.get("stream")), usage_in_stream=True,
                 tool_choice=_anthropic_tool_choice(body.get("tool_choice"), tools),
                 template={"enable_thinking": thinking["type"] == "enabled"} if thinking else {},
-                sampling={"max_tokens": body["max_tokens"], "temperature": _number(body, "temperature", 0, 1),
-                          "top_p": _number(body, "top_p", 0, 1), "top_k": _number(body, "top_k", -1, 1 << 20, True),
-                          "seed": _number(body, "seed", -(1 << 63), 1 << 63, True),  # not Anthropic's; vLLM's too
-                          "stop": _stops(body.get("stop_sequences"), "stop_sequences", one=False)})
+                sampling={**sampling, "stop": _stops(body.get("stop_sequences"), "stop_sequences", one=False)})
 
 
 @dataclass
@@ -2171,7 +2270,8 @@ class LoopbackServer:
             app = web.Application(client_max_size=int(self.cfg.server.max_body_mb * 2**20),
                                   middlewares=[web.middleware(wire_errors)])
             for root in ("/s/{sid}/v1", "/v1"):  # a session's routes, and the unrecorded ones (judges, helpers)
-                app.router.add_post(root + "/{endpoint:chat/completions|messages}", self.handle)
+                for path in WIRES:
+                    app.router.add_post(f"{root}/{path}", self.handle)
                 app.router.add_post(root + "/messages/count_tokens", self.count_tokens)
                 app.router.add_get(root + "/models", self.models)
             runner = web.AppRunner(app, access_log=None, max_line_size=MAX_HEADER_BYTES,  # a long key: 401, not a
@@ -2244,10 +2344,7 @@ class LoopbackServer:
 
     async def models(self, request):
         from aiohttp import web
-        try:
-            self.authorize(request)
-        except WireError as err:
-            return error_response(err, "openai")
+        self.authorize(request)
         name = self.model_name
         entry = {"id": name, "object": "model", "created": 0, "owned_by": "molt", "type": "model",
                  "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
@@ -2257,30 +2354,19 @@ class LoopbackServer:
     async def count_tokens(self, request):
         """Anthropic's token counter: the prompt as this model's template and tokenizer would see it."""
         from aiohttp import web
-        try:
-            self.authorize(request)
-            body = await self.read_json(request)
-            turn = decode_anthropic({**body, "max_tokens": 1})
-            _require(not image_parts(turn.messages) or self.codec.processor is not None, "this model does not take "
-                     "images")
-            images = await asyncio.to_thread(message_images, turn.messages, self.cfg.data)
-            text = self.codec.render(turn.messages, turn.tools, **turn.template)
-            ids, _, _ = await self.codec.encode_async(text, images)
-        except WireError as err:
-            return error_response(err, "anthropic")
-        except Exception as err:  # noqa: BLE001 - as in handle
-            return error_response(refusal(err) or WireError(500, f"{type(err).__name__}: {err}", "api_error"),
-                                  "anthropic")
+        self.authorize(request)
+        turn = decode_anthropic({**await self.read_json(request), "max_tokens": 1})
+        images = await self.images(turn)
+        ids, _, _ = await self.codec.encode_async(self.codec.render(turn.messages, turn.tools, **turn.template), images)
         return web.json_response({"input_tokens": len(ids)})
 
     async def handle(self, request):
+        """One turn on any wire (errors: wire_errors answers them in the wire's shape)."""
         from aiohttp import web
-        wire = "openai" if request.match_info["endpoint"] == "chat/completions" else "anthropic"
-        s = None
+        wire, s = wire_of(request.path), self.authorize(request)
         try:
-            s = self.authorize(request)
             body = await self.read_json(request)
-            turn = (decode_openai if wire == "openai" else decode_anthropic)(body)
+            turn = wire.decode(body)
             turn.retry = request.headers.get("x-stainless-retry-count", "0") not in ("", "0")
             self.check_sampling(s, turn)
             model = body.get("model") or self.model_name
@@ -2288,15 +2374,10 @@ class LoopbackServer:
                 if turn.stream:
                     return await self.stream_turn(request, s, turn, wire, model)
                 replies = await self.turn(s, turn)
-        except WireError as err:
-            return error_response(err, wire)
-        except Exception as err:  # noqa: BLE001 - a refusal is a 4xx, a server-side failure (no engine left) a 5xx
-            return error_response(refusal(err) or WireError(500, f"{type(err).__name__}: {err}", "api_error"), wire)
         finally:
-            if s is not None and "sid" not in request.match_info:
+            if "sid" not in request.match_info:
                 self.router.forget(s.ep.rollout_id)  # an unrecorded call leaves nothing behind
-        reply = openai_reply(replies, model) if wire == "openai" else anthropic_reply(replies[0], model)
-        return web.json_response(reply)
+        return web.json_response(wire.reply(replies, model))
 
     def check_sampling(self, s: Session, turn: Turn):
         """The trainer corrects for the temperature each token was sampled at, but not for a different nucleus or
@@ -2317,10 +2398,13 @@ class LoopbackServer:
         prep = await self.prepare(s, turn)
         return self.record(s, turn, prep, await self.router.generate(prep.request, s.ep.rollout_id))
 
-    async def prepare(self, s: Session, turn: Turn) -> Prepared:
+    async def images(self, turn: Turn) -> list:
+        """The turn's images, decoded off the loop (slow), once the model is known to take images at all."""
         _require(not image_parts(turn.messages) or self.codec.processor is not None, "this model does not take images")
-        images = await asyncio.to_thread(message_images, turn.messages, self.cfg.data)  # decoding is slow: off loop
-        text, new_images, seg = self.new_context(s, turn, images)
+        return await asyncio.to_thread(message_images, turn.messages, self.cfg.data)
+
+    async def prepare(self, s: Session, turn: Turn) -> Prepared:
+        text, new_images, seg = self.new_context(s, turn, await self.images(turn))
         ids, _, mm = await self.codec.encode_async(text, new_images)
         context = (seg.tokens if seg else []) + ids
         _require(len(context) < self.cfg.data.max_len, f"context of {len(context)} tokens reaches the model "
@@ -2404,7 +2488,7 @@ class LoopbackServer:
         return [{**entry(t, lp), "top_logprobs": [entry(a, b) for a, b in top]}
                 for t, lp, top in zip(c.ids, c.logprobs, c.top or [[] for _ in c.ids])]
 
-    async def stream_turn(self, request, s: Session, turn: Turn, wire: str, model: str):
+    async def stream_turn(self, request, s: Session, turn: Turn, wire: Wire, model: str):
         """Server-sent events in the wire's own format, text deltas leaving as the engine samples them; the
         recorded Sample is the one the same request without stream would have made."""
         from aiohttp import web
@@ -2414,8 +2498,7 @@ class LoopbackServer:
         item = await anext(items)  # vLLM checks a request before its first token: a refusal is still a 4xx here
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        events = (OpenAIEvents if wire == "openai" else AnthropicEvents)(model, len(prep.request.ids),
-                                                                          turn.usage_in_stream)
+        events = wire.events(model, len(prep.request.ids), turn.usage_in_stream)
         await send_events(resp, events.head())
         text, reply = TextStream(self.codec, prep.request.sampling.get("stop") or [], bool(self.shown_tools(turn))), None
         try:
@@ -2443,24 +2526,30 @@ def refusal(err: Exception) -> WireError | None:
 
 
 async def wire_errors(request, handler):
-    """aiohttp's own refusals (an unknown path or method, a body over the limit) in the wire's JSON error shape."""
+    """Every refusal in the JSON error shape of the request's wire: a WireError, a request refused downstream (a 400),
+    a server-side failure (a 500: no engine left, say), and aiohttp's own (an unknown path or method, a body over the
+    limit)."""
     from aiohttp import web
     try:
         return await handler(request)
     except web.HTTPException as err:
         if err.status < 400:
             raise
-        kind = {404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large"}.get(err.status,
-                                                                                                  "invalid_request_error")
-        return error_response(WireError(err.status, f"{err.reason}: {request.method} {request.path}", kind),
-                              "anthropic" if "/messages" in request.path else "openai")
+        kind = {404: "not_found_error", 413: "request_too_large"}.get(err.status, "invalid_request_error")
+        failure = WireError(err.status, f"{err.reason}: {request.method} {request.path}", kind)
+    except WireError as err:
+        failure = err
+    except Exception as err:  # noqa: BLE001 - a refusal is a 4xx, a server-side failure a 5xx
+        failure = refusal(err) or WireError(500, f"{type(err).__name__}: {err}", "api_error")
+    return web.json_response(wire_of(request.path).error(failure), status=failure.status)
 
 
-def error_response(err: WireError, wire: str):
-    from aiohttp import web
-    body = {"error": {"message": str(err), "type": err.kind, "param": None, "code": None}} if wire == "openai" else \
-        {"type": "error", "error": {"type": err.kind, "message": str(err)}}
-    return web.json_response(body, status=err.status)
+def openai_error(err: WireError) -> dict:
+    return {"error": {"message": str(err), "type": err.kind, "param": None, "code": None}}
+
+
+def anthropic_error(err: WireError) -> dict:
+    return {"type": "error", "error": {"type": err.kind, "message": str(err)}}
 
 
 def openai_message(r: Reply) -> dict:
@@ -2499,7 +2588,8 @@ def _json_object(arguments: str) -> dict:
     return value if isinstance(value, dict) else {"arguments": value}
 
 
-def anthropic_reply(r: Reply, model: str) -> dict:
+def anthropic_reply(replies: list[Reply], model: str) -> dict:
+    r = replies[0]  # Anthropic has no choices: n is always 1
     return {"id": "msg_" + r.id[9:], "type": "message", "role": "assistant", "model": model,
             "content": _anthropic_blocks(r), "stop_reason": anthropic_stop(r), "stop_sequence": r.stop,
             "usage": {"input_tokens": r.prompt_tokens, "output_tokens": len(r.ids)}}
@@ -2587,6 +2677,27 @@ class AnthropicEvents:
 
     def error(self, message: str):
         return [("error", {"type": "error", "error": {"type": "api_error", "message": message}})]
+
+
+@dataclass(frozen=True)
+class Wire:
+    """One API the loopback server speaks, served at /v1/PATH (its WIRES key) and /s/SESSION/v1/PATH. Adding a wire is
+    one WIRES entry and its four functions; the request path (authorize, read_json, turn or stream_turn, record) is
+    the same for all."""
+    decode: Callable  # request body -> Turn (WireError on a bad one)
+    reply: Callable  # (replies, model name) -> response body
+    events: Callable  # (model name, prompt tokens, usage wanted) -> a stream's events: head(), text(), tail(), error()
+    error: Callable  # WireError -> error body
+
+
+WIRES = {"chat/completions": Wire(decode_openai, openai_reply, OpenAIEvents, openai_error),
+         "messages": Wire(decode_anthropic, anthropic_reply, AnthropicEvents, anthropic_error)}
+
+
+def wire_of(path: str) -> Wire:
+    """The wire a request path belongs to (/v1/messages/count_tokens is Anthropic's); OpenAI's for the rest
+    (/v1/models, unknown paths), whose errors then take its shape."""
+    return next((w for key, w in WIRES.items() if f"/{key}" in path), WIRES["chat/completions"])
 
 
 # ======================================================================================================
@@ -3830,7 +3941,7 @@ class ModelWorker:
         from transformers import AutoConfig
         cuda = _cuda()
         if not cuda:
-            torch.set_num_threads(1)  # tiny models step ~20x faster than with 2 threads on these machines
+            torch.set_num_threads(1)  # on a CPU shared with engines and pools, more threads only contend
         addr, port = where
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{addr}:{port}", rank=self.rank,
                                 world_size=self.world)
@@ -4274,123 +4385,22 @@ def read_bucket(path: str, maps: dict) -> list[tuple[str, Any]]:
     return out
 
 
-async def engine_update(actor: EngineActor, source: dict, version: int, check: bool = False) -> dict:
-    """One weight update of one engine: pause (requests kept in place; abort mode restarts them), stage, load, resume
-    as `version`. A token's version must name the weights that fully produced it, so a failure never relabels:
-    - staging fails (no space in shared memory, a lost object): nothing was loaded, so the engine resumes with its old
-      weights under its old version, and says so;
-    - loading fails part-way (twice): the weights are neither version, so the engine leaves the run without sampling
-      again; its requests fail over to the other engines (§5) and the trainer learns of it when it waits for the
-      update. Rolling back instead would need a second copy of the weights per engine (host memory the size of the
-      model), and restarting it would need them on disk: the run goes on with the other engines, or stops with a
-      clear error when none is left."""
-    await engine_pause(actor)
-    where = {"engine": actor.index, "version": version}
-    report = {"engine": actor.index, "version": version, "missing": None, "failed": None}
-    try:
-        files = await stage(actor, source, where)
-    except Exception as err:  # noqa: BLE001 - nothing was loaded: the old weights and label stay true
-        await engine_resume(actor, actor.version)
-        return {**report, "version": actor.version, "failed": f"{type(err).__name__}: {err}",
-                "tokens_discarded": actor.tokens_discarded}
-    for attempt in (1, 2):
-        try:
-            report["missing"] = (await actor.engine.collective_rpc("molt_load_weights", args=(files, check, where)))[0]
-            break
-        except Exception as err:  # noqa: BLE001
-            _exit_if_engine_dead(err)
-            if attempt == 2:
-                _leave(f"loading version {version} failed twice ({type(err).__name__}: {err}); its weights are "
-                       "now partly new, so this engine leaves the run")
-    await engine_resume(actor, version)
-    return {**report, "tokens_discarded": actor.tokens_discarded}
-
-
-async def stage(actor: EngineActor, source: dict, where: dict) -> list[str]:
-    """The bucket files this engine's workers load: on the trainer's node, the trainer's own (written once for every
-    engine there); on another node the buckets come through the Ray object store and this engine writes them into
-    shared memory on its node first."""
-    import errno
-    if source.get("files"):
-        files = source["files"]
-    else:
-        actor.shm = actor.shm or ShmBuckets()
-        files = [actor.shm.write(k, await ref) for k, ref in enumerate(source["refs"])]
-    if fault("stage", **where):
-        raise OSError(errno.ENOSPC, f"{shm_dir()}: no space left (injected)")
-    missing = [f for f in files if not os.path.exists(f)]
-    if missing:  # "same node" but another /dev/shm (a container boundary): nothing to load
-        raise FileNotFoundError(f"{len(missing)} weight files not visible from this engine, e.g. {missing[0]}")
-    return files
-
-
-async def engine_pause(actor: EngineActor):
-    actor.resumed.clear()  # new requests wait for the resume
-    actor.aborting = actor.cfg.rollout.update_mode == "abort"
-    await vllm_pause(actor.engine, "abort" if actor.aborting else "keep")
-
-
-async def engine_resume(actor: EngineActor, version: int):
-    # Running requests are preempted so their KV is recomputed under the new weights (their tokens are kept),
-    # and no later request can reuse a prefix cached by the old weights. A VLM's image embeddings are dropped on
-    # both sides too (scheduler and worker): kept, they are stale, and vllm 0.32 otherwise misses its encoder
-    # cache for a preempted image request ("Encoder cache miss") and kills the engine.
-    engine = actor.engine
-    await engine.reset_prefix_cache(reset_running_requests=True)
-    if actor.image_token is not None:
-        await engine.reset_encoder_cache()
-    await actor.set_version(version)
-    await engine.resume_generation()
-    actor.aborting = False
-    actor.resumed.set()
-
-
-# vLLM's own weight transfer on CUDA. Assumes vLLM 0.32 (vllm.distributed.weight_transfer): the trainer's rank 0 is NCCL
-# rank 0 of a group with every engine worker; vLLM's trainer engine drives the four calls of its VLLMWeightSyncClient
-# protocol, which EngineSyncClient maps onto Molt's engine actors with Molt's semantics: start pauses with requests
-# kept, finish labels the new version and resumes (engine_resume). Not exercised on the development machine (no GPU):
-# scripts/gpu_check.py's weight-sync check does.
 def transfer_ranks(cfg: Config, index: int, engines: int) -> tuple[int, int]:
     """(engine `index`'s rank offset, the group's world size) in the transfer group: the trainer is rank 0 and vLLM
     numbers each worker dp_rank * tp_size + tp_rank + rank_offset, so engine i's workers follow engine i-1's."""
     return 1 + index * engine_workers(cfg), 1 + engines * engine_workers(cfg)
 
 
-async def _native_init(actor: EngineActor, info: dict):
-    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-    info = {**info, "rank_offset": transfer_ranks(actor.cfg, actor.index, 1)[0]}
-    await actor.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=info))
-
-
-async def _native_start(actor: EngineActor, _):
-    await engine_pause(actor)
-    await actor.engine.start_weight_update()
-
-
-async def _native_chunk(actor: EngineActor, info: dict):
-    from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-    await actor.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
-
-
-async def _native_finish(actor: EngineActor, version: int) -> dict:
-    await actor.engine.finish_weight_update()
-    await engine_resume(actor, version)
-    return {"engine": actor.index, "version": version, "missing": None, "failed": None,
-            "tokens_discarded": actor.tokens_discarded}
-
-
-NATIVE_TRANSFER = {"init": _native_init, "start": _native_start, "chunk": _native_chunk, "finish": _native_finish}
-
-
 class EngineSyncClient:
-    """vLLM's VLLMWeightSyncClient protocol over Molt's engine actors (every call goes to every engine)."""
+    """vLLM's VLLMWeightSyncClient protocol (CUDA, vLLM 0.32) over Molt's engine actors: each call goes to every
+    engine's EngineActor.native_* method."""
 
     def __init__(self, engines: list):
         self.engines, self.version, self.reports = engines, 0, []
 
     def _all(self, call: str, arg=None) -> list:
         import ray
-        return ray.get([e.transfer.remote(call, arg) for e in self.engines])
+        return ray.get([getattr(e, "native_" + call).remote(arg) for e in self.engines])  # EngineActor.native_*
 
     def init_weight_transfer_engine(self, init_info: dict):
         self._all("init", init_info)
@@ -4648,12 +4658,6 @@ def save_checkpoint(run_dir: str, step: int, models: dict, extra: dict, keep: in
     return final
 
 
-def load_file_state(path: str) -> dict:
-    """Every tensor of a local HF checkpoint directory, by checkpoint name."""
-    from safetensors.torch import load_file
-    return {k: v for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(f).items()}
-
-
 def latest_checkpoint(run_dir: str) -> Path | None:
     done = [p for p in sorted((Path(run_dir) / "checkpoints").glob("step_*")) if (p / "molt_state.json").exists()]
     return done[-1] if done else None
@@ -4722,7 +4726,7 @@ def launch_pools(cfg: Config, model_path: str, engines: list) -> list:
     import ray
     actor = ray.remote(AgentPool).options(num_cpus=1, max_concurrency=100_000)
     agent = cfg.agent or str(Path(__file__).resolve())  # this file exports the built-in distillation agent
-    # more pools than cores only adds contention (on 2 cores, 2 pools made the copy task's step 16 % slower than 1)
+    # more pools than half the cores only adds contention (BENCHMARKS.md: the pool count on 2 cores)
     n = cfg.rollout.agent_pools or max(1, min(8, (os.cpu_count() or 2) // 2))
     return [actor.remote(cfg, agent, model_path, engines, i) for i in range(n)]
 
@@ -4873,7 +4877,7 @@ def ray_init(cfg: Config):
         return
     # A local cluster's raylet, and so every worker, inherits this process's environment at ray.init. A job
     # runtime_env instead would keep the workers Ray prestarts from hosting our actors: each actor would start a
-    # fresh interpreter (3 actors ready in 1.3 s instead of 0.5 s, measured here).
+    # fresh interpreter.
     saved = dict(os.environ)
     os.environ.update(env)
     try:  # logical CPUs are bookkeeping: more than cores, or actors wait for each other forever
@@ -4936,7 +4940,7 @@ def stop_local_ray(linger: bool):
     """At exit, the local cluster's shutdown without its waits. Assumes Ray 2.60, whose ray.shutdown() at exit first
     sleeps 0.5 s for workers' log lines still on their way to the console (only when they go there: linger), then gives
     each of its processes 1 s to exit on SIGTERM; the autoscaler's monitor, idle on a one-node cluster, takes the whole
-    second every time before Ray kills it. Killing it first took a run's exit from 1.9 s to 0.4 s."""
+    second every time before Ray kills it. Killing it first saves that second at every exit."""
     import ray
     node = ray._private.worker._global_node
     if node is None:  # already shut down
@@ -5021,8 +5025,7 @@ def vllm_cpu_worker_in_core(cfg: Config) -> dict:
     steps both processes burn a core, which on a 2-core machine starves the trainer and the agent pools. With one
     worker (tp 1) it can run inside the engine core (UniProcExecutor); vLLM's CPU platform allows that only when
     VLLM_ENABLE_V1_MULTIPROCESSING is 0, which for AsyncLLM changes nothing else (its engine core keeps its own
-    process). The copy task: 156 -> 131 ms per async step, start-up 28 -> 21 s; a seeded 80-step sync run ends at
-    the same reward as with the separate worker."""
+    process). A seeded sync run ends at the same reward as with the separate worker."""
     if cfg.engine.tp_size != 1:
         return {}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read by vLLM in this (the engine actor's) process only
@@ -5031,7 +5034,7 @@ def vllm_cpu_worker_in_core(cfg: Config) -> dict:
 
 def vllm_cpu_engine_core_by_fork():
     """Assumes vLLM 0.32 on CPU, whose platform sets VLLM_WORKER_MULTIPROC_METHOD=spawn, so the engine core starts
-    as a fresh interpreter that re-imports torch and vLLM: ~10 s of every start-up on 2 cores. Forked from this actor
+    as a fresh interpreter that re-imports torch and vLLM, seconds of every start-up. Forked from this actor
     (which has imported them) it starts at once. The child must never touch Ray, whose threads did not survive the
     fork, and must not outlive this actor: without the watch below, the core of an engine that _leave()s (os._exit,
     no clean-up) kept running after its run (tests/test_faults.py's failed-update test), so it exits with its parent."""
@@ -5048,7 +5051,7 @@ def vllm_cpu_engine_core_by_fork():
 def vllm_cpu_no_compile():
     """Assumes vLLM 0.32 on CPU: even under enforce_eager its sampler torch.compiles helpers (the sampled token's rank
     among the log-probs; top-k / top-p) with inductor on their first call, so every engine's first rollout waited
-    ~1.5 s for C++ compilation. With dynamo off in the engine's processes (the core is forked from this one) they run
+    for C++ compilation. With dynamo off in the engine's processes (the core is forked from this one) they run
     eagerly and compute the same values."""
     import torch._dynamo
     torch._dynamo.config.disable = True

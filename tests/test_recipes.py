@@ -13,7 +13,7 @@ import torch
 from transformers import AutoTokenizer
 
 import molt
-from conftest import run, small_config
+from conftest import file_state, run, small_config
 from test_trainer import make_samples
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,7 +139,7 @@ def test_geo3k_runs_end_to_end(geo3k_run):
 def test_on_policy_distillation_brings_the_student_to_the_teacher(tmp_path, tiny):
     teacher = tmp_path / "teacher"
     shutil.copytree(tiny, teacher)
-    state = molt.load_file_state(tiny)
+    state = file_state(tiny)
     g = torch.Generator().manual_seed(3)
     from safetensors.torch import save_file
     save_file({k: v + 0.1 * torch.randn(v.shape, generator=g) for k, v in state.items()},

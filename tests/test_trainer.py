@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import molt
-from conftest import run, small_config
+from conftest import file_state, run, small_config
 
 
 def make_samples(n_groups=2, n=4, seed=0):
@@ -49,7 +49,7 @@ def test_one_rank_and_two_ranks_take_the_same_step(ray_cluster, tiny, agg):
     assert m1["loss/policy"] == pytest.approx(m2["loss/policy"], abs=1e-5)
     assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-4)
     assert w1.keys() == w2.keys()
-    start = molt.load_file_state(tiny)
+    start = file_state(tiny)
     assert any(not torch.equal(w1[k], start[k]) for k in start)  # the step changed the weights
     # Adam divides by sqrt(v): parameters whose gradients are near zero amplify fp32 summation-order noise, so the
     # weights agree to 0.5% of the step size (lr 1e-2) while loss and gradient norm agree to 1e-5 / 1e-4
@@ -189,7 +189,7 @@ def test_synced_engine_matches_the_trainer(ray_cluster, engine, tiny):
         assert not any(f.exists() for f in files)  # the shared-memory buffers are freed
     finally:
         import ray
-        ray.get(engine.update.remote({"refs": [ray.put(molt.load_file_state(tiny))]}, version + 4))
+        ray.get(engine.update.remote({"refs": [ray.put(file_state(tiny))]}, version + 4))
         for w in group.workers:
             ray_cluster.kill(w)
 
@@ -253,7 +253,7 @@ def test_optimizer_offload_steps_host_copies_and_resumes(ray_cluster, tiny, tmp_
         for g, m in ((plain, "none"), (off, "optimizer")):
             molt.learn(cfgs[m], {"policy": g}, b)
     w_plain, w_off = weights(plain), weights(off)
-    assert any(not torch.equal(w_off[k], v) for k, v in molt.load_file_state(tiny).items())  # it trained
+    assert any(not torch.equal(w_off[k], v) for k, v in file_state(tiny).items())  # it trained
     for k in w_plain:
         assert torch.allclose(w_plain[k], w_off[k], atol=1e-6), k
 
