@@ -1819,6 +1819,67 @@ def wire_messages(prompt, images) -> list[dict]:
     return msgs
 
 
+DRIFT_CAUSES = ("template", "tool_call", "boundary", "compaction")
+
+
+def drift_report(codec: Codec, s: Session, segments: list[Sample], keep: bool = True) -> dict:
+    """What a text-based framework would have trained on: the final conversation re-rendered through the chat
+    template and tokenized, against the token-exact segments. Causes: a compacted episode (earlier segments exist
+    only here), and, at the first token where the last segment and the re-tokenization part, the same text split into
+    other tokens or a sampled special token the text drops (boundary), other text inside an assistant turn with tool
+    calls (tool_call) or elsewhere: the template re-rendering an earlier turn (template).
+    -> {"metrics": per-episode numbers for Result.info, "cause", "first" (the first differing token), and with keep
+    (--dump-samples) "retokenized" on a mismatch}. A template that cannot render the conversation back (some raise on
+    a prefix without a user turn) costs the comparison, counted in drift/unrendered, never the episode."""
+    reply, seg = s.choices[0]
+    msgs = [*s.last_messages, reply_message(reply)]
+    try:
+        text = codec.render(msgs, s.last_tools, generation=False, **s.template)
+        retok = codec.encode(text, seg.images or None)[0]
+        first = next((k for k, (a, b) in enumerate(zip(seg.tokens, retok)) if a != b), None)
+        if first is None and len(retok) < len(seg.tokens):
+            first = len(retok)
+        cause = None if first is None else drift_cause(codec, msgs, seg, retok, first, s)
+    except Exception as e:  # noqa: BLE001 - any template error: no comparison for this episode
+        return {"metrics": {"drift/unrendered": 1.0}, "error": f"{type(e).__name__}: {e}"}
+    earlier = sum(len(x.tokens) for x in segments if x is not seg)
+    causes = ({"compaction"} if earlier else set()) | ({cause} if cause else set())
+    metrics = {"drift/unrendered": 0.0, "drift/retokenize_mismatch_frac": float(bool(causes)),
+               "drift/tokens_changed_frac": (earlier + changed_tokens(seg.tokens, retok, first)) /
+                                            (earlier + len(seg.tokens)),
+               **{f"drift/cause/{c}": float(c in causes) for c in DRIFT_CAUSES}}
+    return {"metrics": metrics, "cause": sorted(causes), "first": first,
+            **({"retokenized": retok} if keep and first is not None else {})}
+
+
+def changed_tokens(ours: list[int], theirs: list[int], first: int | None, exact_up_to: int = 16384) -> int:
+    """Tokens of ours that theirs does not hold in order (difflib's matching blocks); past exact_up_to tokens, where
+    that costs seconds, everything from the first difference on (an upper bound)."""
+    import difflib
+    if first is None:
+        return 0
+    if max(len(ours), len(theirs)) > exact_up_to:
+        return len(ours) - first
+    matched = difflib.SequenceMatcher(None, ours, theirs, autojunk=False).get_matching_blocks()
+    return len(ours) - sum(b.size for b in matched)
+
+
+def drift_cause(codec: Codec, msgs: list[dict], seg: Sample, retok: list[int], k: int, s: Session) -> str:
+    """Why the segment and the re-tokenization part at token k (drift_report): the same text split differently, or
+    the same once special tokens are dropped (the policy sampled one; its reply's text has none) -> boundary; else the
+    message the re-rendered text was in decides."""
+    decode, tokens = codec.tokenizer.decode, seg.tokens
+    for skip in (False, True):
+        ours, theirs = decode(tokens[k:], skip_special_tokens=skip), decode(retok[k:], skip_special_tokens=skip)
+        if theirs.startswith(ours) or ours.startswith(theirs):
+            return "boundary"
+    at = len(decode(retok[:k], skip_special_tokens=False))
+    for i in range(len(msgs)):  # the message the re-rendered text was in when it parted
+        if len(codec.render(msgs[:i + 1], s.last_tools, generation=False, **s.template)) > at:
+            break
+    return "tool_call" if msgs[i]["role"] == "assistant" and msgs[i].get("tool_calls") else "template"
+
+
 # ======================================================================================================
 # 7. Loopback server: the OpenAI and Anthropic wires over one token-exact session per episode. A ChatAgent points a
 # stock SDK at ctx.base_url / ctx.session_url; each turn appends only the new messages' tokens to the tokens sampled
@@ -2173,67 +2234,6 @@ class Session:
     choices: list = field(default_factory=list)  # [(Reply, the Sample it extended)] of the last turn
     template: dict = field(default_factory=dict)  # the last turn's chat-template variables
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-
-DRIFT_CAUSES = ("template", "tool_call", "boundary", "compaction")
-
-
-def drift_report(codec: Codec, s: Session, segments: list[Sample], keep: bool = True) -> dict:
-    """What a text-based framework would have trained on: the final conversation re-rendered through the chat
-    template and tokenized, against the token-exact segments. Causes: a compacted episode (earlier segments exist
-    only here), and, at the first token where the last segment and the re-tokenization part, the same text split into
-    other tokens or a sampled special token the text drops (boundary), other text inside an assistant turn with tool
-    calls (tool_call) or elsewhere: the template re-rendering an earlier turn (template).
-    -> {"metrics": per-episode numbers for Result.info, "cause", "first" (the first differing token), and with keep
-    (--dump-samples) "retokenized" on a mismatch}. A template that cannot render the conversation back (some raise on
-    a prefix without a user turn) costs the comparison, counted in drift/unrendered, never the episode."""
-    reply, seg = s.choices[0]
-    msgs = [*s.last_messages, reply_message(reply)]
-    try:
-        text = codec.render(msgs, s.last_tools, generation=False, **s.template)
-        retok = codec.encode(text, seg.images or None)[0]
-        first = next((k for k, (a, b) in enumerate(zip(seg.tokens, retok)) if a != b), None)
-        if first is None and len(retok) < len(seg.tokens):
-            first = len(retok)
-        cause = None if first is None else drift_cause(codec, msgs, seg, retok, first, s)
-    except Exception as e:  # noqa: BLE001 - any template error: no comparison for this episode
-        return {"metrics": {"drift/unrendered": 1.0}, "error": f"{type(e).__name__}: {e}"}
-    earlier = sum(len(x.tokens) for x in segments if x is not seg)
-    causes = ({"compaction"} if earlier else set()) | ({cause} if cause else set())
-    metrics = {"drift/unrendered": 0.0, "drift/retokenize_mismatch_frac": float(bool(causes)),
-               "drift/tokens_changed_frac": (earlier + changed_tokens(seg.tokens, retok, first)) /
-                                            (earlier + len(seg.tokens)),
-               **{f"drift/cause/{c}": float(c in causes) for c in DRIFT_CAUSES}}
-    return {"metrics": metrics, "cause": sorted(causes), "first": first,
-            **({"retokenized": retok} if keep and first is not None else {})}
-
-
-def changed_tokens(ours: list[int], theirs: list[int], first: int | None, exact_up_to: int = 16384) -> int:
-    """Tokens of ours that theirs does not hold in order (difflib's matching blocks); past exact_up_to tokens, where
-    that costs seconds, everything from the first difference on (an upper bound)."""
-    import difflib
-    if first is None:
-        return 0
-    if max(len(ours), len(theirs)) > exact_up_to:
-        return len(ours) - first
-    matched = difflib.SequenceMatcher(None, ours, theirs, autojunk=False).get_matching_blocks()
-    return len(ours) - sum(b.size for b in matched)
-
-
-def drift_cause(codec: Codec, msgs: list[dict], seg: Sample, retok: list[int], k: int, s: Session) -> str:
-    """Why the segment and the re-tokenization part at token k (drift_report): the same text split differently, or
-    the same once special tokens are dropped (the policy sampled one; its reply's text has none) -> boundary; else the
-    message the re-rendered text was in decides."""
-    decode, tokens = codec.tokenizer.decode, seg.tokens
-    for skip in (False, True):
-        ours, theirs = decode(tokens[k:], skip_special_tokens=skip), decode(retok[k:], skip_special_tokens=skip)
-        if theirs.startswith(ours) or ours.startswith(theirs):
-            return "boundary"
-    at = len(decode(retok[:k], skip_special_tokens=False))
-    for i in range(len(msgs)):  # the message the re-rendered text was in when it parted
-        if len(codec.render(msgs[:i + 1], s.last_tools, generation=False, **s.template)) > at:
-            break
-    return "tool_call" if msgs[i]["role"] == "assistant" and msgs[i].get("tool_calls") else "template"
 
 
 @dataclass
