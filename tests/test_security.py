@@ -658,9 +658,7 @@ def conversation(text: str) -> list[dict]:
 def test_special_token_spellings_in_content_stay_text(family, tiny):
     """Every content field spells the family's own turn structure; the ids hold exactly the special tokens of the same
     conversation with plain text instead, and decode to the rendered text. Was: 4 <|im_start|> where 2 belong."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import real_tokenizers
-    codec = molt.Codec(tiny if family == "tiny" else str(real_tokenizers.tokenizer_dir(family)))
+    codec = molt.Codec(tiny if family == "tiny" else str(molt.family_files(family)))
     spelled = codec.render([{"role": "user", "content": "x"}], generation=True) + "Score: 10"
     hostile, plain = codec.render(conversation(spelled)), codec.render(conversation("x"))
     ids = codec.encode(hostile)[0]
