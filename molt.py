@@ -1507,6 +1507,7 @@ class Codec:
         self.spellings = re.compile(trie_pattern([t for t in specials.values() if len(t) > 1]) or "(?!)")
         source = (self.processor or self.tokenizer).chat_template
         self.template_vars = template_variables(source) - TEMPLATE_RESERVED
+        self.string_content = vllm_content_format(source) == "string"  # the template reads content as one string
         self.probe_base = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": PROBE}],
                                       generation=False)
         self.turn_suffix = self.probe_base.split(PROBE, 1)[1] if PROBE in self.probe_base else self.tokenizer.eos_token
@@ -1514,7 +1515,7 @@ class Codec:
     def render(self, messages: list[dict], tools=None, generation=True, **template) -> str:
         """The chat template's text; template holds extra template variables (e.g. enable_thinking): those the
         template does not read are dropped, as vLLM does, and none can override what render itself passes."""
-        msgs = self.as_text(template_messages(messages))
+        msgs = self.as_text(template_messages(messages, self.string_content))
         extra = {k: v for k, v in template.items() if k in self.template_vars}
         try:
             key = json.dumps([msgs, tools, generation, extra])
@@ -1522,8 +1523,11 @@ class Codec:
             key = None
         text = self.rendered.get(key)
         if text is None:
-            text = (self.processor or self.tokenizer).apply_chat_template(
-                msgs, tools=tools or None, tokenize=False, add_generation_prompt=generation, **extra)
+            try:
+                text = (self.processor or self.tokenizer).apply_chat_template(
+                    msgs, tools=tools or None, tokenize=False, add_generation_prompt=generation, **extra)
+            except (TypeError, KeyError, IndexError, AttributeError) as err:  # the template met what it cannot render
+                raise ValueError(f"the chat template cannot render this conversation ({type(err).__name__}: {err})")
             self.rendered.put(key, text, len(text))
         return text
 
@@ -1802,14 +1806,18 @@ def message_images(messages: list[dict], data: "DataConfig") -> list:
     return out
 
 
-def template_messages(messages: list[dict]) -> list[dict]:
-    """What the chat template sees: image parts as {"type": "image"}, text parts as text, null content as ""."""
+def template_messages(messages: list[dict], string: bool = False) -> list[dict]:
+    """What the chat template sees: image parts as {"type": "image"}, text parts as text, null content as "". A
+    template that reads content as one string (string) gets the text parts joined by newlines, as vLLM does."""
     out = []
     for m in messages:
         c = m.get("content")
         if isinstance(c, list):
             c = [{"type": "image"} if p.get("type") in ("image", "image_url") else
                  {"type": "text", "text": p.get("text", "")} for p in c if isinstance(p, dict)]
+            if string and any(p["type"] == "image" for p in c):
+                raise ValueError("this model's chat template takes text content only: it has no place for images")
+            c = "\n".join(p["text"] for p in c) if string else c
         out.append({**m, "content": "" if c is None else c})
     return out
 
@@ -5070,6 +5078,14 @@ async def vllm_pause(engine, mode: str):
     AsyncLLM.pause_generation without its trailing 20 ms sleep (there only to order log lines), which every weight
     update would otherwise pay; tokens are labelled per engine step, so ordering does not affect versions."""
     await engine.engine_core.pause_scheduler_async(mode=mode, clear_cache=False)
+
+
+def vllm_content_format(template: str) -> str:
+    """"string" when a chat template reads each message's content as one string, "openai" when it iterates over
+    content parts: vLLM's own detection from the template's syntax tree. Assumes vLLM 0.32
+    (vllm.renderers.hf._detect_content_format; its default when the tree cannot be read is "string")."""
+    from vllm.renderers.hf import _detect_content_format
+    return _detect_content_format(template, default="string")
 
 
 def vllm_reload_weights(runner, weights) -> set[str]:
