@@ -1044,7 +1044,7 @@ def media_tokens(hf_config) -> list[int]:
 
 
 class EngineActor:
-    """A vLLM AsyncLLM in a Ray actor: EngineRequests in, Completions out. update() loads new weights (§15)."""
+    """A vLLM AsyncLLM in a Ray actor: EngineRequests in, Completions out. update() loads new weights (§15 sends them)."""
 
     @start_up
     def __init__(self, cfg: Config, model_path: str, index: int):
@@ -1966,11 +1966,12 @@ ANTHROPIC_SAMPLING = (("max_tokens", "max_tokens", 1, 1 << 30, True),
 
 
 def sampling_fields(body: dict, rows: tuple) -> dict:
-    """The body's numeric sampling fields under our names, each checked against its row's range."""
+    """The body's numeric sampling fields under our names, each checked against its row's range (a key another row
+    already filled is not read)."""
     out: dict = {}
     for key, ours, lo, hi, integer in rows:
-        value = _number(body, key, lo, hi, integer)
-        out[ours] = value if out.get(ours) is None else out[ours]
+        if out.get(ours) is None:
+            out[ours] = _number(body, key, lo, hi, integer)
     return out
 
 
@@ -2224,8 +2225,7 @@ def decode_anthropic(body: dict) -> Turn:
     """Anthropic messages body -> wire-neutral Turn (metadata, service_tier and other fields with no effect on
     sampling are ignored; thinking reaches the chat template as enable_thinking)."""
     _require(isinstance(body.get("messages"), list) and body["messages"], "'messages' must be a non-empty list")
-    sampling = sampling_fields(body, ANTHROPIC_SAMPLING)
-    _require(sampling["max_tokens"] is not None, "'max_tokens' is required")
+    _require(_number(body, "max_tokens", 1, 1 << 30, True) is not None, "'max_tokens' is required")
     system = _system(body.get("system"))
     msgs = ([{"role": "system", "content": system}] if system else []) + \
         [x for i, m in enumerate(body["messages"]) for x in _anthropic_message(m, i)]
@@ -2236,7 +2236,8 @@ def decode_anthropic(body: dict) -> Turn:
     return Turn(messages=msgs, tools=tools, stream=bool(body.get("stream")), usage_in_stream=True,
                 tool_choice=_anthropic_tool_choice(body.get("tool_choice"), tools),
                 template={"enable_thinking": thinking["type"] == "enabled"} if thinking else {},
-                sampling={**sampling, "stop": _stops(body.get("stop_sequences"), "stop_sequences", one=False)})
+                sampling={**sampling_fields(body, ANTHROPIC_SAMPLING),
+                          "stop": _stops(body.get("stop_sequences"), "stop_sequences", one=False)})
 
 
 @dataclass
@@ -3322,7 +3323,8 @@ def aggregate(loss, mask, mode: str, n_tokens: float, n_seqs: float):
 
 
 # ======================================================================================================
-# 10. Micro-batch losses, one per model role: what each rank minimises on its share of a mini-batch.
+# 10. Micro-batch losses, one per model role: what each rank minimises on its share of a mini-batch (ROLES and the
+# *_on_worker adapters that run the forward and call these live with the model actors, §13).
 # ======================================================================================================
 
 
@@ -3338,7 +3340,8 @@ def policy_microbatch_loss(algo: AlgoConfig, logp, old, behaviour, adv, mask, n_
     loss = aggregate(loss_tok, mask, algo.loss_agg, n_tokens, n_seqs)
     n = float(mask.sum())
     ratio = torch.exp(log_ratio(old, behaviour)).clamp(max=1e4)
-    stats = {"loss/policy": ((loss_tok.detach() * mask).sum(), n), "entropy": ((entropy.detach() * mask).sum(), n),
+    stats = {"loss/policy": ((loss_tok.detach() * mask).sum(), n),
+             **({} if entropy is None else {"entropy": ((entropy.detach() * mask).sum(), n)}),
              "rollout/logprob_gap": (((old - behaviour).abs() * mask).sum(), n),
              "rollout/ratio_mean": ((ratio * mask).sum(), n), **{k: ((v * mask).sum(), n) for k, v in st.items()}}
     return loss, stats, {"is_weight": st["is/weight"], "is_masked": st["is/masked_frac"]}

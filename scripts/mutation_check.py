@@ -310,7 +310,8 @@ MUTATIONS = [
 
 def scratch_copy() -> Path:
     root = Path(tempfile.mkdtemp(prefix="molt-mutation-"))
-    shutil.copy(ROOT / "molt.py", root / "molt.py")
+    for f in ("molt.py", "molt_view.py"):
+        shutil.copy(ROOT / f, root / f)
     for d in ("tests", "agents", "rewards", "examples", "scripts"):
         shutil.copytree(ROOT / d, root / d, ignore=shutil.ignore_patterns("__pycache__"))
     return root
