@@ -885,7 +885,7 @@ class ChatAgentRunner(Runner):
         finally:
             session = pool.server.close(ctx.session_id)
         check_result(result, f"{self.agent_cls.__name__}.run")
-        segments = [seg for seg in session.segments if any(seg.mask)]
+        segments = session.segments  # (one with nothing to train, all greedy or guided, is dropped before training)
         samples = [finish_sample(s, first_scalar(result.reward), result) for s in segments]
         last = session.choices[0][1] if session.choices else None
         if any(s is last for s in samples):  # off the event loop: it renders and tokenizes the whole conversation
@@ -2457,9 +2457,12 @@ class LoopbackServer:
         _require(self.parser is not None, "this model has no tool-call parser (--server.tool-parser): tool_choice "
                  "cannot force a call")
         name, parser = self.parser
-        guided = parser(self.codec.tokenizer, turn.tools).adjust_request(vllm_request(turn)).structured_outputs
-        _require(guided is not None and guided.structural_tag, f"vLLM's {name} parser cannot force a tool call")
-        return {"structural_tag": json.dumps(strict_tag(json.loads(guided.structural_tag), self.added))}
+        try:
+            guided = parser(self.codec.tokenizer, turn.tools).adjust_request(vllm_request(turn)).structured_outputs
+            _require(guided is not None and guided.structural_tag, f"vLLM's {name} parser cannot force a tool call")
+            return {"structural_tag": json.dumps(strict_tag(json.loads(guided.structural_tag), self.added))}
+        except (RuntimeError, ValueError) as err:  # xgrammar refuses the tool's schema
+            raise WireError(400, f"tool_choice: the tool's schema cannot guide a call ({str(err).strip()[:300]})")
 
     def record(self, s: Session, turn: Turn, prep: Prepared, completions: list[Completion]) -> list[Reply]:
         """Append each completion to its segment. One choice extends the segment it continues (or opens one); with
@@ -4847,9 +4850,9 @@ def launch(cfg: Config, rows: list[dict], data_id: str, ckpt: Path | None):
     pools = launch_pools(cfg, model_path, engines) if engines else []
     models = launch_models(cfg, model_path, ckpt)
     parsers = ray.get([p.ping.remote() for p in pools])  # an agent module that fails to import fails the launch
-    print(f"[molt] tool-call parser: {parsers[0] if parsers else 'none'} (--server.tool-parser)", file=sys.stderr)
     import torch  # noqa: F401 - the first step needs it here (advantages): imported while the engines still load
     ray.get(engines_ready, timeout=cfg.engine.startup_timeout)
+    print(f"[molt] tool-call parser: {parsers[0] if parsers else 'none'} (--server.tool-parser)", file=sys.stderr)
     record_placement(cfg, {**{f"engine-{i}": e for i, e in enumerate(engines)},
                            **{f"pool-{i}": p for i, p in enumerate(pools)},
                            **{f"{role}-{r}": w for role, g in models.items() for r, w in enumerate(g.workers)}})

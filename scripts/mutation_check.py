@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 AG, EN, TR, AL, RO, MO, CF, FA, SE = ("tests/test_agents.py", "tests/test_engines.py", "tests/test_trainer.py",
                                       "tests/test_algorithms.py", "tests/test_rollout.py", "tests/test_moe.py",
                                       "tests/test_config.py", "tests/test_faults.py", "tests/test_security.py")
-SF, SFT = "tests/test_server_fuzz.py", "tests/test_sft.py"
+SF, SFT, SV, FM = "tests/test_server_fuzz.py", "tests/test_sft.py", "tests/test_server.py", "tests/test_families.py"
 SANDBOX, GRADER, CODE = "rewards/sandbox.py", "rewards/math_grader.py", "rewards/code_grader.py"
 JUDGE, GEO = "agents/judge.py", "agents/chat_geo3k.py"
 
@@ -149,6 +149,13 @@ MUTATIONS = [
      [f"{FA}::test_resume_refuses_a_different_experiment_and_finds_the_newest_run"]),
     ("resume-no-cut-back", "resume: the steps a killed run logged after its checkpoint appear twice",
      "    cut_back(root, step)\n", "", [f"{FA}::test_sync_run_killed_at_three_points_resumes_exactly"]),
+    # -- real families (#32) ---------------------------------------------------------------------------------------
+    ("guided-trained", "forward consistency: tokens sampled under a grammar train with grammar-masked log-probs",
+     "if c.temperature > 0 and not c.guided:", "if c.temperature > 0:",
+     [f"{SV}::test_guided_tokens_stay_context_and_every_trained_token_matches_the_trainer"]),
+    ("string-content-lists", "families: list content reaches a template that concatenates strings",
+     'c = "\\n".join(p["text"] for p in c) if string else c', "c = c",
+     [f"{FM}::test_content_blocks_reach_a_string_template_as_text"]),
     # -- faults ----------------------------------------------------------------------------------------------------
     ("failed-stage-relabels", "versions: an engine whose update could not be staged takes the new label anyway",
      "await self.resume(self.version)", "await self.resume(version)",
