@@ -156,6 +156,12 @@ MUTATIONS = [
     ("string-content-lists", "families: list content reaches a template that concatenates strings",
      'c = "\\n".join(p["text"] for p in c) if string else c', "c = c",
      [f"{FM}::test_content_blocks_reach_a_string_template_as_text"]),
+    ("template-rerender-cut", "token identity: a template that re-renders earlier turns is cut at the old length",
+     "if seg is None or not full.startswith(prefix):", "if seg is None:",
+     [f"{FM}::test_a_template_that_rewrites_an_earlier_turn_opens_a_new_segment_of_its_own_rendering"]),
+    ("n-choices-chained", "token identity: with n > 1 after earlier turns, a choice extends another's reply",
+     "seg = prep.seg if len(completions) == 1 else None", "seg = prep.seg",
+     [f"{SV}::test_n_choices_after_earlier_turns_each_extend_the_conversation_not_each_other"]),
     # -- faults ----------------------------------------------------------------------------------------------------
     ("failed-stage-relabels", "versions: an engine whose update could not be staged takes the new label anyway",
      "await self.resume(self.version)", "await self.resume(version)",

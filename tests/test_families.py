@@ -97,3 +97,29 @@ def test_a_tool_episode_as_agent_code_for_a_real_model_writes_it(family, wire):
     for seg in trained:
         mask = torch.tensor(seg.mask[1:]).bool()
         assert (trainer_logprobs(path, seg) - torch.tensor(seg.logprobs[1:]))[mask].abs().max() < 1e-3
+
+
+def test_a_template_that_rewrites_an_earlier_turn_opens_a_new_segment_of_its_own_rendering(family):
+    """Qwen3's template drops an earlier turn's <think> block: the conversation sent back no longer renders as the
+    sampled tokens plus the new messages, so the turn opens a new segment holding exactly what the template renders
+    (never the old tokens cut at the old length). Llama 3.1 and DeepSeek-V3 keep the turn: one segment."""
+    name, path, engine = family
+    think = {"temperature": 1.0, "max_tokens": 24, "structured_outputs": {"regex": "<think>\nhm\n</think>\n\nok"}}
+
+    async def main():
+        async with Server(engine, path, think) as srv:
+            c, msgs = srv.openai(), [{"role": "user", "content": "Hi"}]
+            r = await c.chat.completions.create(model="m", messages=msgs, max_tokens=24)
+            msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "Go"}]
+            await c.chat.completions.create(model="m", messages=msgs, max_tokens=4)
+            return msgs, srv.session.segments, srv.pool.router.prompts
+    msgs, segments, prompts = run(main())
+    codec = molt.Codec(path)
+    assert "<think>" in msgs[1]["content"]
+    rendered = codec.render(msgs)
+    assert prompts[-1] == codec.encode(rendered)[0] or len(segments) == 1
+    if name == "qwen3":  # the template drops the think block: a new segment, exactly the template's rendering
+        assert "<think>" not in rendered and len(segments) == 2
+        assert codec.tokenizer.decode(segments[1].tokens).startswith(rendered)
+    else:
+        assert len(segments) == 1 and prompts[-1][:len(prompts[0])] == prompts[0]

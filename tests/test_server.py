@@ -155,6 +155,28 @@ def test_n_choices_are_separate_segments_and_logprobs_are_the_engines(engine, ti
     assert r.usage.completion_tokens == sum(sum(s.mask) for s in segments)
 
 
+def test_n_choices_after_earlier_turns_each_extend_the_conversation_not_each_other(engine, tiny):
+    """A request with n = 2 that continues an earlier turn: each choice opens its own segment, holding the
+    conversation so far (the earlier turn's sampled tokens, then the new messages) and then only its own reply; no
+    choice's context holds another's reply. (No test covered it: putting the second choice after the first choice's
+    reply passed every test.)"""
+    async def main():
+        async with Server(engine, tiny) as srv:
+            c = srv.openai()
+            r = await c.chat.completions.create(model="m", messages=HELLO, max_tokens=6)
+            msgs = HELLO + [{"role": "assistant", "content": r.choices[0].message.content},
+                            {"role": "user", "content": "more"}]
+            r2 = await c.chat.completions.create(model="m", messages=msgs, max_tokens=6, n=2)
+            return r2, srv.session.segments, srv.pool.router.prompts
+    r2, segments, prompts = run(main())
+    first, *choices = segments
+    assert len(choices) == 2 and prompts[1][:len(first.tokens)] == first.tokens  # the earlier turn, verbatim
+    tok = tokenizer(tiny)
+    for seg, choice in zip(choices, r2.choices):
+        assert seg.tokens[:len(prompts[1])] == prompts[1] and not any(seg.mask[:len(prompts[1])])
+        assert tok.decode(seg.tokens[len(prompts[1]):], skip_special_tokens=True).startswith(choice.message.content)
+
+
 def test_response_format_and_template_switches_reach_the_engine(engine, tiny):
     # bounded (a random model cannot run out of max_tokens inside it): the engine allows no free whitespace, the
     # schema no endless digits
