@@ -2450,8 +2450,8 @@ class LoopbackServer:
 
     def forced_call(self, turn: Turn) -> dict | None:
         """tool_choice required / a named tool: vLLM's structured outputs for exactly one call of one of the (or the)
-        tools, in this model's own call format (its parser's structural tag), the arguments held to the tool's schema
-        with at most one whitespace in a row (else a weak policy pads the JSON until max_tokens)."""
+        tools, in this model's own call format (its parser's structural tag, tightened by strict_tag), the arguments
+        held to the tool's schema as compact JSON."""
         if turn.tool_choice in ("auto", "none"):
             return None
         _require(self.parser is not None, "this model has no tool-call parser (--server.tool-parser): tool_choice "
@@ -2482,7 +2482,7 @@ class LoopbackServer:
         return [reply for reply, _ in choices]
 
     def reply(self, c: Completion, turn: Turn, prompt_tokens: int) -> Reply:
-        parse = self.parser is not None and bool(self.shown_tools(turn))
+        parse = self.parses(turn)
         raw = self.codec.raw_decode(c.ids) if parse else self.codec.decode(c.ids)
         stop = c.stop_reason if isinstance(c.stop_reason, str) and c.stop_reason in raw else None
         raw = raw[:raw.index(stop)] if stop else raw  # the matched stop string stays in the tokens, not the text
@@ -2492,9 +2492,13 @@ class LoopbackServer:
                      prompt_tokens=prompt_tokens, stop=stop,
                      logprobs=None if turn.top_logprobs is None else self.logprob_entries(c))
 
+    def parses(self, turn: Turn) -> bool:
+        """Whether the turn's reply goes through the tool-call parser: tools offered, and a parser for the model."""
+        return self.parser is not None and bool(self.shown_tools(turn))
+
     def parse(self, raw: str, ids: list[int], turn: Turn) -> tuple[str, list[dict]]:
         """(text, calls) of a reply through vLLM's tool-call parser for this model."""
-        name, parser = self.parser
+        parser = self.parser[1]
         _, content, calls = parser(self.codec.tokenizer, turn.tools).parse(raw, vllm_request(turn), True, ids)
         return content or "", [{"id": f"call_{uuid.uuid4().hex[:24]}", "name": c.name, "arguments": c.arguments}
                                for c in calls or []]
@@ -2520,7 +2524,7 @@ class LoopbackServer:
         await resp.prepare(request)
         events = wire.events(model, len(prep.request.ids), turn.usage_in_stream)
         await send_events(resp, events.head())
-        parse = self.parser is not None and bool(self.shown_tools(turn))
+        parse = self.parses(turn)
         parser = self.parser[1](self.codec.tokenizer, turn.tools) if parse else None
         text = TextStream(self.codec, prep.request.sampling.get("stop") or [], parser, parse and vllm_request(turn),
                           prep.request.ids)
@@ -5445,7 +5449,8 @@ def llama31(root: Path, config: dict):
     (root / "tokenizer.json").write_text(json.dumps(tok))
     for i, t in config.get("added_tokens_decoder", {}).items():
         t["content"] = t["content"] if int(i) in keep else name(int(i))
-    config["chat_template"] = (Path(__file__).parent / "examples" / "templates" / "llama3.1_json_tools.jinja").read_text()
+    template = Path(__file__).parent / "examples" / "templates" / "llama3.1_json_tools.jinja"
+    config["chat_template"] = template.read_text()
 
 
 def _tiny_family(family: str):
