@@ -245,6 +245,8 @@ class ServerConfig:
     max_connections: int = _f(1024, "open connections one agent pool's server accepts; more are closed at once")
     tool_parser: str = _f("", "vLLM's tool-call parser for replies (hermes, llama3_json, deepseek_v3, ...; none: no "
                           "tool calls); unset: the one the model's vocabulary calls for (TOOL_PARSERS)")
+    reasoning_parser: str = _f("", "vLLM's reasoning parser for replies (qwen3, deepseek_r1, ...; none: reasoning "
+                               "stays in the text); unset: the one the model calls for (REASONING_PARSERS)")
 
 
 @dataclass
@@ -1631,36 +1633,43 @@ class TextCache:
 
 
 class TextStream:
-    """A reply's text as its tokens arrive, emitting only what is sure to begin the final reply text (Reply.text):
-    held back are a character still being decoded and a possible start of a stop string. With tools offered, the text
-    goes through the reply's tool-call parser (parse_delta), which holds back whatever may become a call. Decoding is
-    incremental (a window of the last tokens), so a long reply costs linear time."""
+    """A reply's reasoning and text as its tokens arrive, emitting only what is sure to begin the final reply's
+    (Reply.reasoning, Reply.text): held back are a character still being decoded and a possible start of a stop string.
+    With a parser (reasoning, or tools offered), deltas go through its parse_delta, which holds back whatever may
+    become a call. Decoding is incremental (a window of the last tokens), so a long reply costs linear time."""
 
     def __init__(self, codec: Codec, stops: list[str], parser=None, request=None, prompt: list[int] = ()):
         self.codec, self.stops, self.parser, self.request, self.prompt = codec, stops, parser, request, list(prompt)
         self.decode = codec.raw_decode if parser else codec.decode
-        self.ids, self.text, self.emitted, self.prefix, self.read, self.unparsed = [], "", "", 0, 0, []
+        self.ids, self.prefix, self.read, self.unparsed = [], 0, 0, []
+        self.text, self.emitted = ["", ""], ["", ""]  # (reasoning, text)
 
-    def push(self, new: list[int]) -> str:
+    def push(self, new: list[int]) -> tuple[str, str]:
+        """(reasoning, text) to send now."""
         self.ids += new
         self.unparsed += new  # the parser gets a delta's ids with its text: once its last character is whole
         before = self.decode(self.ids[self.prefix:self.read])
         after = self.decode(self.ids[self.prefix:])
         if after.endswith("\ufffd"):  # a multi-byte character is not complete yet
-            return ""
+            return "", ""
         piece = after[len(before):]
         self.prefix, self.read = self.read, len(self.ids)
+        parts = ("", piece)
         if self.parser:
             delta = self.parser.parse_delta(piece, self.unparsed, self.request, self.prompt, finished=False)
-            piece = (delta.content or "") if delta else ""
-        self.text, self.unparsed = self.text + piece, []
-        safe = self.text[:self.safe_length()]
-        out = safe[len(self.emitted):] if safe.startswith(self.emitted) else ""
-        self.emitted += out
+            parts = ((delta.reasoning or "", delta.content or "") if delta else ("", ""))
+        self.unparsed = []
+        return self.release(0, parts[0]), self.release(1, parts[1])
+
+    def release(self, k: int, piece: str) -> str:
+        self.text[k] += piece
+        safe = self.text[k][:self.safe_length(self.text[k])]
+        out = safe[len(self.emitted[k]):] if safe.startswith(self.emitted[k]) else ""
+        self.emitted[k] += out
         return out
 
-    def safe_length(self) -> int:
-        text, end = self.text, len(self.text)
+    def safe_length(self, text: str) -> int:
+        end = len(text)
         for stop in self.stops:
             if stop in text:
                 end = min(end, text.index(stop))
@@ -1668,9 +1677,10 @@ class TextStream:
                                  if text.endswith(stop[:k])), end))
         return end
 
-    def rest(self, final: str) -> str:
-        """What remains to send once the reply's final text is known (what was sent always begins it)."""
-        return final[len(self.emitted):] if final.startswith(self.emitted) else ""
+    def rest(self, reply) -> tuple[str, str]:
+        """(reasoning, text) that remain to send once the reply is known (what was sent always begins it)."""
+        return tuple(final[len(sent):] if final.startswith(sent) else ""
+                     for final, sent in zip((reply.reasoning, reply.text), self.emitted))
 
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -1694,8 +1704,8 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
 
 
 def canonical(message: dict) -> tuple:
-    """What an assistant message says, as (text, ((tool name, arguments), ...)): equal for a reply and the same reply
-    sent back by an SDK, whatever its wire or its JSON spacing; different after any edit."""
+    """What an assistant message says, as (text, ((tool name, arguments), ...), reasoning): equal for a reply and the
+    same reply sent back by an SDK, whatever its wire or its JSON spacing; different after any edit."""
     content = message.get("content")
     text = content if isinstance(content, str) else "".join(
         p.get("text", "") for p in content or [] if isinstance(p, dict) and p.get("type") == "text")
@@ -1708,13 +1718,12 @@ def canonical(message: dict) -> tuple:
         except ValueError:
             pass
         calls.append((fn.get("name"), json.dumps(args, sort_keys=True)))
-    return (text or "").rstrip(), tuple(calls)
+    return (text or "").rstrip(), tuple(calls), (message.get("reasoning") or "").strip()
 
 
 def reply_message(r: Reply) -> dict:
-    return {"role": "assistant", "content": r.text, "tool_calls": [{"function": {"name": c["name"],
-                                                                                 "arguments": c["arguments"]}}
-                                                                    for c in r.calls]}
+    return {"role": "assistant", "content": r.text, "reasoning": r.reasoning, "reasoning_content": r.reasoning,
+            "tool_calls": [{"function": {"name": c["name"], "arguments": c["arguments"]}} for c in r.calls]}
 
 
 def load_image(ref, roots: tuple = (), max_mb: float = 16.0, max_pixels: int = 16_000_000):
@@ -1931,6 +1940,7 @@ class Reply:
     prompt_tokens: int
     stop: str | None = None  # the stop string that ended it
     logprobs: list | None = None  # OpenAI's logprobs.content entries, when asked for
+    reasoning: str = ""  # what the reasoning parser took out of the text (Qwen3's <think> block)
 
 
 # Request limits: beyond them a request is refused (4xx), not served slowly.
@@ -2070,6 +2080,9 @@ def _openai_messages(messages) -> list[dict]:
             _openai_tool_calls(m["tool_calls"], f"messages[{i}].tool_calls")
         _string(m.get("tool_call_id"), f"messages[{i}].tool_call_id")
         _string(m.get("name"), f"messages[{i}].name")
+        thought = _string(m.get("reasoning") if m.get("reasoning") is not None else m.get("reasoning_content"),
+                          f"messages[{i}].reasoning")
+        m = {**m, **({"reasoning": thought, "reasoning_content": thought} if thought is not None else {})}
         out.append(dict(m, role="system") if m["role"] == "developer" else m)
     return out
 
@@ -2120,7 +2133,8 @@ def _response_format(fmt) -> dict | None:
 
 def decode_openai(body: dict) -> Turn:
     """OpenAI chat-completions body -> wire-neutral Turn. Fields with no effect on sampling (user, metadata, store,
-    service_tier, parallel_tool_calls, reasoning_effort, ...) are accepted and ignored, as OpenAI does."""
+    service_tier, parallel_tool_calls, ...) are accepted and ignored, as OpenAI does; reasoning_effort reaches the
+    template as enable_thinking."""
     refused = sorted(REFUSED & set(body)) + [k for k in ("frequency_penalty", "presence_penalty") if body.get(k)]
     _require(not refused, f"{', '.join(refused)} would change the sampling distribution behind the trainer's "
              "back: not supported")
@@ -2132,6 +2146,8 @@ def decode_openai(body: dict) -> Turn:
     template = _object(body.get("chat_template_kwargs"), "chat_template_kwargs")
     clash = sorted(TEMPLATE_RESERVED & set(template))
     _require(not clash, f"chat_template_kwargs may not set {', '.join(clash)}: the server renders the template")
+    if body.get("reasoning_effort") is not None:  # as vLLM: an effort of none turns thinking off where it can be
+        template = {"enable_thinking": body["reasoning_effort"] != "none", **template}
     return Turn(messages=messages, tools=tools, stream=bool(body.get("stream")), n=n,
                 usage_in_stream=bool(stream_options.get("include_usage")),
                 tool_choice=_tool_choice(body.get("tool_choice"), tools),
@@ -2159,11 +2175,13 @@ def _anthropic_message(m, i: int) -> list[dict]:
     if isinstance(content, str):
         return [{"role": m["role"], "content": content}]
     _require(isinstance(content, list), f"messages[{i}].content must be a string or a list of blocks")
-    parts, calls, results = [], [], []
+    parts, calls, results, thoughts = [], [], [], []
     for j, b in enumerate(content):
         where = f"messages[{i}].content[{j}]"
         kind = b.get("type") if isinstance(b, dict) else None
-        if kind == "tool_use":
+        if kind == "thinking":
+            thoughts.append(_string(b.get("thinking"), f"{where}.thinking", optional=False))
+        elif kind == "tool_use":
             _require(m["role"] == "assistant" and isinstance(b.get("name"), str) and
                      isinstance(b.get("input", {}), dict), f"'{where}' must be an assistant's tool_use with a name "
                      "and an input object")
@@ -2178,9 +2196,10 @@ def _anthropic_message(m, i: int) -> list[dict]:
         else:
             parts.append(_anthropic_block(b, where))
     out = results + ([{"role": m["role"], "content": parts}] if parts or not results else [])
-    if calls:
+    if calls or thoughts:
         out = out or [{"role": "assistant", "content": []}]
-        out[-1]["tool_calls"] = calls
+        out[-1].update({"tool_calls": calls} if calls else {})
+        out[-1].update({"reasoning": "".join(thoughts), "reasoning_content": "".join(thoughts)} if thoughts else {})
     return out
 
 
@@ -2269,7 +2288,8 @@ class LoopbackServer:
         self.port, self._runner, self._listener, self.connections = None, None, None, set()
         self._starting = asyncio.Lock()
         self.key = "sk-molt-" + secrets.token_hex(16)  # for the unrecorded route (judges, helpers)
-        self.parser = tool_parser(cfg.server.tool_parser, codec.tokenizer)  # (name, vLLM's class) or None
+        self.tool_parser, self.reasoning_parser, self.parser = reply_parser(cfg.server, codec.tokenizer,
+                                                                            codec.tokenizer.chat_template)
         added = {t.content: i for i, t in codec.tokenizer.added_tokens_decoder.items() if len(t.content) > 1}
         self.added = re.compile(trie_pattern(list(added)) or "(?!)"), added  # what a forced call's markers must be
 
@@ -2454,12 +2474,12 @@ class LoopbackServer:
         held to the tool's schema as compact JSON."""
         if turn.tool_choice in ("auto", "none"):
             return None
-        _require(self.parser is not None, "this model has no tool-call parser (--server.tool-parser): tool_choice "
-                 "cannot force a call")
-        name, parser = self.parser
+        _require(self.tool_parser != "none", "this model has no tool-call parser (--server.tool-parser): "
+                 "tool_choice cannot force a call")
         try:
-            guided = parser(self.codec.tokenizer, turn.tools).adjust_request(vllm_request(turn)).structured_outputs
-            _require(guided is not None and guided.structural_tag, f"vLLM's {name} parser cannot force a tool call")
+            guided = self.reply_parser(turn).adjust_request(vllm_request(turn)).structured_outputs
+            _require(guided is not None and guided.structural_tag,
+                     f"vLLM's {self.tool_parser} parser cannot force a tool call")
             return {"structural_tag": json.dumps(strict_tag(json.loads(guided.structural_tag), self.added))}
         except (RuntimeError, ValueError) as err:  # xgrammar refuses the tool's schema
             raise WireError(400, f"tool_choice: the tool's schema cannot guide a call ({str(err).strip()[:300]})")
@@ -2486,22 +2506,28 @@ class LoopbackServer:
         raw = self.codec.raw_decode(c.ids) if parse else self.codec.decode(c.ids)
         stop = c.stop_reason if isinstance(c.stop_reason, str) and c.stop_reason in raw else None
         raw = raw[:raw.index(stop)] if stop else raw  # the matched stop string stays in the tokens, not the text
-        text, calls = self.parse(raw, c.ids, turn) if parse else (raw, [])
+        reasoning, text, calls = self.parse(raw, c.ids, turn) if parse else ("", raw, [])
         finish = "tool_calls" if calls else ("length" if c.finish_reason == "length" else "stop")
         return Reply(id="chatcmpl-" + uuid.uuid4().hex[:24], text=text, calls=calls, finish=finish, ids=c.ids,
+                     reasoning=reasoning,
                      prompt_tokens=prompt_tokens, stop=stop,
                      logprobs=None if turn.top_logprobs is None else self.logprob_entries(c))
 
     def parses(self, turn: Turn) -> bool:
-        """Whether the turn's reply goes through the tool-call parser: tools offered, and a parser for the model."""
-        return self.parser is not None and bool(self.shown_tools(turn))
+        """Whether the turn's reply goes through vLLM's parser: the model has a reasoning parser, or tools are offered
+        and it has a tool-call parser."""
+        return self.reasoning_parser != "none" or (self.tool_parser != "none" and bool(self.shown_tools(turn)))
 
-    def parse(self, raw: str, ids: list[int], turn: Turn) -> tuple[str, list[dict]]:
-        """(text, calls) of a reply through vLLM's tool-call parser for this model."""
-        parser = self.parser[1]
-        _, content, calls = parser(self.codec.tokenizer, turn.tools).parse(raw, vllm_request(turn), True, ids)
-        return content or "", [{"id": f"call_{uuid.uuid4().hex[:24]}", "name": c.name, "arguments": c.arguments}
-                               for c in calls or []]
+    def reply_parser(self, turn: Turn):
+        """A parser for one reply (it keeps streaming state); the chat-template variables say whether the model thinks
+        (Qwen3's enable_thinking), as in vLLM's server."""
+        return self.parser(self.codec.tokenizer, self.shown_tools(turn), chat_template_kwargs=turn.template)
+
+    def parse(self, raw: str, ids: list[int], turn: Turn) -> tuple[str, str, list[dict]]:
+        """(reasoning, text, calls) of a whole reply through vLLM's parser for this model."""
+        reasoning, content, calls = self.reply_parser(turn).parse(raw, vllm_request(turn), True, ids)
+        return reasoning or "", content or "", [{"id": f"call_{uuid.uuid4().hex[:24]}", "name": c.name,
+                                                 "arguments": c.arguments} for c in calls or []]
 
     def logprob_entries(self, c: Completion) -> list[dict]:
         """OpenAI's logprobs.content: each sampled token with its log-prob (the engine's, at the sampling
@@ -2525,15 +2551,14 @@ class LoopbackServer:
         events = wire.events(model, len(prep.request.ids), turn.usage_in_stream)
         await send_events(resp, events.head())
         parse = self.parses(turn)
-        parser = self.parser[1](self.codec.tokenizer, turn.tools) if parse else None
-        text = TextStream(self.codec, prep.request.sampling.get("stop") or [], parser, parse and vllm_request(turn),
-                          prep.request.ids)
+        text = TextStream(self.codec, prep.request.sampling.get("stop") or [], parse and self.reply_parser(turn),
+                          parse and vllm_request(turn), prep.request.ids)
         try:
             while not isinstance(item, Completion):
-                await send_events(resp, events.text(text.push(item["ids"])))
+                await send_events(resp, events.text(*text.push(item["ids"])))
                 item = await anext(items)
             [reply] = self.record(s, turn, prep, [item])
-            await send_events(resp, events.text(text.rest(reply.text)) + events.tail(reply))
+            await send_events(resp, events.text(*text.rest(reply)) + events.tail(reply))
         except Exception as err:  # noqa: BLE001 - the headers are gone: the error travels as an event
             await send_events(resp, events.error(f"{type(err).__name__}: {err}"))
         await resp.write_eof()
@@ -2580,7 +2605,8 @@ def anthropic_error(err: WireError) -> dict:
 
 
 def openai_message(r: Reply) -> dict:
-    msg = {"role": "assistant", "content": r.text if (r.text or not r.calls) else None}
+    msg = {"role": "assistant", "content": r.text if (r.text or not r.calls) else None,
+           **({"reasoning": r.reasoning, "reasoning_content": r.reasoning} if r.reasoning else {})}
     if r.calls:
         msg["tool_calls"] = [{"id": c["id"], "type": "function",
                               "function": {"name": c["name"], "arguments": c["arguments"]}} for c in r.calls]
@@ -2602,7 +2628,8 @@ def anthropic_stop(r: Reply) -> str:
 
 
 def _anthropic_blocks(r: Reply) -> list[dict]:
-    blocks = [{"type": "text", "text": r.text}] if r.text or not r.calls else []
+    blocks = [{"type": "thinking", "thinking": r.reasoning, "signature": ""}] if r.reasoning else []
+    blocks += [{"type": "text", "text": r.text}] if r.text or not (r.calls or r.reasoning) else []
     return blocks + [{"type": "tool_use", "id": "toolu_" + c["id"][5:], "name": c["name"],
                       "input": _json_object(c["arguments"])} for c in r.calls]
 
@@ -2642,8 +2669,9 @@ class OpenAIEvents:
     def head(self):
         return [self.chunk({"role": "assistant", "content": ""})]
 
-    def text(self, piece: str):
-        return [self.chunk({"content": piece})] if piece else []
+    def text(self, reasoning: str, piece: str):
+        return ([self.chunk({"reasoning": reasoning, "reasoning_content": reasoning})] if reasoning else []) + \
+            ([self.chunk({"content": piece})] if piece else [])
 
     def tail(self, r: Reply):
         out = [self.chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
@@ -2662,11 +2690,11 @@ class OpenAIEvents:
 
 
 class AnthropicEvents:
-    """The messages stream: message_start, a text block as text arrives, tool_use blocks, message_delta (why it
-    stopped, output tokens), message_stop."""
+    """The messages stream: message_start, a thinking or text block per run of reasoning or text as it arrives,
+    tool_use blocks, message_delta (why it stopped, output tokens), message_stop."""
 
     def __init__(self, model: str, prompt_tokens: int, usage: bool):
-        self.model, self.prompt_tokens, self.open_text = model, prompt_tokens, False
+        self.model, self.prompt_tokens, self.open, self.index = model, prompt_tokens, None, -1
         self.id = "msg_" + uuid.uuid4().hex[:24]
 
     def head(self):
@@ -2675,28 +2703,39 @@ class AnthropicEvents:
                    "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}
         return [("message_start", {"type": "message_start", "message": message})]
 
-    def text(self, piece: str):
+    def text(self, reasoning: str, piece: str):
+        return self.delta("thinking", reasoning) + self.delta("text", piece)
+
+    def delta(self, kind: str, piece: str):
+        """kind is thinking or text: a block of that kind (opened here unless it is the open one) gets piece."""
         if not piece:
             return []
-        return (self.start_text() if not self.open_text else []) + [
-            ("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                     "delta": {"type": "text_delta", "text": piece}})]
+        out = [] if self.open == kind else self.close() + self.start(kind)
+        return out + [("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                               "delta": {"type": f"{kind}_delta", kind: piece}})]
 
-    def start_text(self):
-        self.open_text = True
-        return [("content_block_start", {"type": "content_block_start", "index": 0,
-                                         "content_block": {"type": "text", "text": ""}})]
+    def start(self, kind: str, block: dict | None = None):
+        self.open, self.index = kind, self.index + 1
+        block = block or {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})}
+        return [("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})]
+
+    def close(self):
+        sign = [("content_block_delta", {"type": "content_block_delta", "index": self.index,  # as Anthropic's does
+                                         "delta": {"type": "signature_delta", "signature": ""}})]
+        if self.open is None:
+            return []
+        out = (sign if self.open == "thinking" else []) + [
+            ("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        self.open = None
+        return out
 
     def tail(self, r: Reply):
-        out = self.start_text() if not self.open_text and not r.calls else []  # an empty reply has its text block
-        out += [("content_block_stop", {"type": "content_block_stop", "index": 0})] if self.open_text else []
-        calls = [b for b in _anthropic_blocks(r) if b["type"] == "tool_use"]
-        for i, block in enumerate(calls, start=int(self.open_text)):
-            out += [("content_block_start", {"type": "content_block_start", "index": i,
-                                             "content_block": {**block, "input": {}}}),
-                    ("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
-                        "type": "input_json_delta", "partial_json": json.dumps(block["input"])}}),
-                    ("content_block_stop", {"type": "content_block_stop", "index": i})]
+        out = self.start("text") if self.index < 0 and not r.calls else []  # an empty reply has its text block
+        out += self.close()
+        for block in (b for b in _anthropic_blocks(r) if b["type"] == "tool_use"):
+            out += self.start("tool_use", {**block, "input": {}}) + [
+                ("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": {
+                    "type": "input_json_delta", "partial_json": json.dumps(block["input"])}})] + self.close()
         return out + [("message_delta", {"type": "message_delta",
                                          "delta": {"stop_reason": anthropic_stop(r), "stop_sequence": r.stop},
                                          "usage": {"output_tokens": len(r.ids)}}),
@@ -2727,32 +2766,40 @@ def wire_of(path: str) -> Wire:
     return next((w for key, w in WIRES.items() if f"/{key}" in path), WIRES["chat/completions"])
 
 
-# vLLM's tool-call parser for a model, recognised by a token its vocabulary has (the first row that matches);
-# --server.tool-parser names another (any of vLLM's), or none.
+# vLLM's parsers for a model's replies, recognised from it (the first row that matches): a tool-call parser by a token
+# its vocabulary has; a reasoning parser by a token and a word of its chat template (a template that renders earlier
+# reasoning back: Qwen3's does, the tiny ChatML one only knows enable_thinking). --server.tool-parser and
+# --server.reasoning-parser name others (any of vLLM's), or none.
 TOOL_PARSERS = (("<｜tool▁calls▁begin｜>", "deepseek_v3"), ("<|python_tag|>", "llama3_json"),
                 ("<tool_call>", "hermes"))
+REASONING_PARSERS = (("<think>", "reasoning_content", "qwen3"),)
 
 
-def tool_parser(name: str, tokenizer) -> tuple[str, type] | None:
-    """(name, vLLM's Parser class) for this model's tool calls, checked against its tokenizer; None for none."""
+def reply_parser(cfg: "ServerConfig", tokenizer, template: str) -> tuple[str, str, type | None]:
+    """(tool-call parser name, reasoning parser name, vLLM's Parser class composing them or None); "none" for
+    either one the model has none of."""
     from vllm.parser.parser_manager import ParserManager
+    from vllm.reasoning import ReasoningParserManager
     from vllm.tool_parsers import ToolParserManager
     vocab = tokenizer.get_vocab()
-    name = name or next((parser for token, parser in TOOL_PARSERS if token in vocab), "none")
-    if name == "none":
-        return None
-    if name not in ToolParserManager.list_registered():
-        raise UsageError(f"--server.tool-parser {name}: not one of vLLM's tool-call parsers "
-                         f"({', '.join(ToolParserManager.list_registered())})")
-    return name, ParserManager.get_parser(tool_parser_name=name, enable_auto_tools=True, tokenizer=tokenizer,
-                                          tool_strict_level="parameter")  # a forced call's arguments fit the schema
+    tool = cfg.tool_parser or next((name for token, name in TOOL_PARSERS if token in vocab), "none")
+    reasoning = cfg.reasoning_parser or next((name for token, word, name in REASONING_PARSERS
+                                              if token in vocab and word in (template or "")), "none")
+    for flag, name, known in (("tool-parser", tool, ToolParserManager.list_registered()),
+                              ("reasoning-parser", reasoning, ReasoningParserManager.list_registered())):
+        if name != "none" and name not in known:
+            raise UsageError(f"--server.{flag} {name}: not one of vLLM's ({', '.join(sorted(known))})")
+    parser = ParserManager.get_parser(tool_parser_name=None if tool == "none" else tool, enable_auto_tools=True,
+                                      reasoning_parser_name=None if reasoning == "none" else reasoning,
+                                      tokenizer=tokenizer, tool_strict_level="parameter")  # forced arguments fit
+    return tool, reasoning, parser
 
 
 def vllm_request(turn: Turn):
     """The turn as vLLM's ChatCompletionRequest, as its parsers read it (tools and tool_choice; a forced call is one
     call, as it always was here)."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    choice = turn.tool_choice if turn.tool_choice in ("auto", "none", "required") else {
+    choice = "none" if not turn.tools else turn.tool_choice if turn.tool_choice in ("auto", "none", "required") else {
         "type": "function", "function": {"name": turn.tool_choice}}
     return ChatCompletionRequest(model="m", messages=[], tools=turn.tools, tool_choice=choice, parallel_tool_calls=False)
 
@@ -2809,8 +2856,8 @@ class AgentPool:
 
     def ping(self) -> str:
         """Answers once the constructor ran (an agent module that fails to import fails the launch, clearly): the
-        loopback server's tool-call parser."""
-        return self.server.parser[0] if self.server.parser else "none"
+        loopback server's parsers (tool calls, reasoning)."""
+        return f"tool calls {self.server.tool_parser}, reasoning {self.server.reasoning_parser}"
 
     async def sample_turn(self, sample: Sample, sampling: dict) -> Completion | None:
         """Sample one action after sample.tokens and append it; None when the context budget is spent."""
@@ -4823,7 +4870,8 @@ def launch(cfg: Config, rows: list[dict], data_id: str, ckpt: Path | None):
     parsers = ray.get([p.ping.remote() for p in pools])  # an agent module that fails to import fails the launch
     import torch  # noqa: F401 - the first step needs it here (advantages): imported while the engines still load
     ray.get(engines_ready, timeout=cfg.engine.startup_timeout)
-    print(f"[molt] tool-call parser: {parsers[0] if parsers else 'none'} (--server.tool-parser)", file=sys.stderr)
+    print(f"[molt] reply parsers: {parsers[0] if parsers else 'none'} (--server.tool-parser, "
+          "--server.reasoning-parser)", file=sys.stderr)
     record_placement(cfg, {**{f"engine-{i}": e for i, e in enumerate(engines)},
                            **{f"pool-{i}": p for i, p in enumerate(pools)},
                            **{f"{role}-{r}": w for role, g in models.items() for r, w in enumerate(g.workers)}})

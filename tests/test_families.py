@@ -100,9 +100,10 @@ def test_a_tool_episode_as_agent_code_for_a_real_model_writes_it(family, wire):
 
 
 def test_a_template_that_rewrites_an_earlier_turn_opens_a_new_segment_of_its_own_rendering(family):
-    """Qwen3's template drops an earlier turn's <think> block: the conversation sent back no longer renders as the
-    sampled tokens plus the new messages, so the turn opens a new segment holding exactly what the template renders
-    (never the old tokens cut at the old length). Llama 3.1 and DeepSeek-V3 keep the turn: one segment."""
+    """Qwen3's template drops an earlier turn's reasoning once a new user message follows: the conversation sent back
+    (as the SDK returns it) no longer renders as the sampled tokens plus the new messages, so the turn opens a new
+    segment holding exactly what the template renders (never the old tokens cut at the old length). Llama 3.1 and
+    DeepSeek-V3 keep the turn (their <think> is plain text): one segment."""
     name, path, engine = family
     think = {"temperature": 1.0, "max_tokens": 24, "structured_outputs": {"regex": "<think>\nhm\n</think>\n\nok"}}
 
@@ -110,16 +111,60 @@ def test_a_template_that_rewrites_an_earlier_turn_opens_a_new_segment_of_its_own
         async with Server(engine, path, think) as srv:
             c, msgs = srv.openai(), [{"role": "user", "content": "Hi"}]
             r = await c.chat.completions.create(model="m", messages=msgs, max_tokens=24)
-            msgs += [{"role": "assistant", "content": r.choices[0].message.content}, {"role": "user", "content": "Go"}]
+            msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Go"}]
             await c.chat.completions.create(model="m", messages=msgs, max_tokens=4)
             return msgs, srv.session.segments, srv.pool.router.prompts
     msgs, segments, prompts = run(main())
     codec = molt.Codec(path)
-    assert "<think>" in msgs[1]["content"]
     rendered = codec.render(msgs)
-    assert prompts[-1] == codec.encode(rendered)[0] or len(segments) == 1
-    if name == "qwen3":  # the template drops the think block: a new segment, exactly the template's rendering
-        assert "<think>" not in rendered and len(segments) == 2
+    if name == "qwen3":  # reasoning apart; the template drops it: a new segment, exactly the template's rendering
+        assert msgs[1]["reasoning_content"].strip() == "hm" and msgs[1]["content"].strip() == "ok"
+        assert "hm" not in rendered and len(segments) == 2 and prompts[-1] == codec.encode(rendered)[0]
         assert codec.tokenizer.decode(segments[1].tokens).startswith(rendered)
     else:
+        assert "<think>" in msgs[1]["content"] and "reasoning_content" not in msgs[1]
         assert len(segments) == 1 and prompts[-1][:len(prompts[0])] == prompts[0]
+
+
+def test_reasoning_comes_apart_on_both_wires_streamed_or_not_and_goes_back_to_the_template(family):
+    """A family with a reasoning parser (Qwen3): OpenAI's reasoning_content (and vLLM's reasoning), Anthropic's
+    thinking block, the same when streamed; thinking off (chat_template_kwargs, Anthropic's thinking.disabled)
+    leaves the text whole; reasoning sent back in a tool loop reaches the template (Qwen3 renders it there)."""
+    name, path, engine = family
+    if name != "qwen3":
+        pytest.skip("no reasoning parser for this family")
+    ids = molt.Codec(path).tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    pieces = [{"type": "token", "token": ids[0]}, {"type": "const_string", "value": "\nhm\n"},
+              {"type": "token", "token": ids[1]}, {"type": "const_string", "value": "\n\nok"}]
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": pieces}}  # the markers as the tokens
+    think = {"temperature": 1.0, "max_tokens": 24, "structured_outputs": {"structural_tag": json.dumps(tag)}}
+
+    async def main():
+        async with Server(engine, path, think) as srv:
+            o, a, msgs = srv.openai(), srv.anthropic(), [{"role": "user", "content": "Hi"}]
+            plain = (await o.chat.completions.create(model="m", messages=msgs)).choices[0].message
+            chunks = [c.choices[0].delta async for c in await o.chat.completions.create(model="m", messages=msgs,
+                                                                                        stream=True) if c.choices]
+            streamed = ["".join(getattr(d, key, None) or "" for d in chunks) for key in ("reasoning_content", "content")]
+            off = (await o.chat.completions.create(model="m", messages=msgs, extra_body={
+                "chat_template_kwargs": {"enable_thinking": False}})).choices[0].message
+            blocks = (await a.messages.create(model="m", max_tokens=24, messages=msgs)).content
+            async with a.messages.stream(model="m", max_tokens=24, messages=msgs) as stream:
+                final = await stream.get_final_message()
+            a_off = await a.messages.create(model="m", max_tokens=24, messages=msgs,
+                                            thinking={"type": "disabled"})
+            loop = [*msgs, {"role": "assistant", "content": [b.model_dump() for b in blocks] + [
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}]
+            await a.messages.create(model="m", max_tokens=4, messages=loop, tools=[TOOL])
+            return plain, streamed, off, blocks, final, a_off, srv.pool.router.prompts[-1]
+    plain, streamed, off, blocks, final, a_off, prompt = run(main())
+    assert (plain.reasoning_content.strip(), plain.content.strip()) == ("hm", "ok")
+    assert plain.model_extra["reasoning"] == plain.reasoning_content  # vLLM's field name too
+    assert streamed == [plain.reasoning_content, plain.content]
+    assert "<think>" in off.content and not getattr(off, "reasoning_content", None)
+    for content in (blocks, final.content):
+        assert [b.type for b in content] == ["thinking", "text"]
+        assert (content[0].thinking.strip(), content[1].text.strip()) == ("hm", "ok")
+    assert [b.type for b in a_off.content] == ["text"] and "<think>" in a_off.content[0].text
+    assert "<think>\nhm\n</think>" in molt.Codec(path).tokenizer.decode(prompt)

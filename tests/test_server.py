@@ -376,32 +376,43 @@ class FakeCodec:
         self.tokenizer = tok
 
 
-@pytest.mark.parametrize("tools, stops", [(False, []), (False, ["ld", "日"]), (True, [])])
-def test_streamed_deltas_concatenate_to_the_plain_text(tools, stops):
-    """50 random token sequences (characters split across tokens included; with tools, half of them holding a call):
-    what the stream sends, then the rest once the reply is known, is exactly the plain reply's text (with tools: what
-    vLLM's hermes parser makes of the whole reply)."""
+@pytest.mark.parametrize("tool, reasoning, stops", [("none", "none", []), ("none", "none", ["ld", "日"]),
+                                                    ("hermes", "none", []), ("hermes", "qwen3", []),
+                                                    ("none", "qwen3", ["ld", "日"])])
+def test_streamed_deltas_concatenate_to_the_plain_reply(tool, reasoning, stops):
+    """50 random token sequences (characters split across tokens included; with tools, half of them holding a call;
+    with reasoning, two in three ending it with </think>; with stops, cut where the engine would stop): what the
+    stream sends, then the rest once the reply is known, is exactly the plain reply's reasoning and text (with a
+    parser: what vLLM's parsers make of the whole reply)."""
     tok = byte_level_tokenizer()
-    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    tok.add_tokens(["<tool_call>", "</tool_call>", "<think>", "</think>"])
     codec, rng = FakeCodec(tok), random.Random(0)
-    turn = molt.Turn(messages=HELLO, tools=[WEATHER], stream=True, usage_in_stream=False, sampling={})
-    _, parser = molt.tool_parser("hermes", tok)
+    *_, parser = molt.reply_parser(molt.ServerConfig(tool_parser=tool, reasoning_parser=reasoning), tok, "")
+    tools = None if tool == "none" else [WEATHER]
+    request = molt.vllm_request(molt.Turn(messages=HELLO, tools=tools, stream=True, usage_in_stream=False,
+                                          sampling={}))
     call = tok('<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>', add_special_tokens=False)["input_ids"]
+    decode, both = codec.raw_decode if parser else codec.decode, 0
     for k in range(50):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 60))]
         ids = ids[:len(ids) // 2] + call + ids[len(ids) // 2:] if tools and k % 2 else ids
-        raw = codec.raw_decode(ids) if tools else codec.decode(ids)
-        stop = next((s for s in stops if s in raw), None)
-        final = raw[:raw.index(stop)] if stop else raw
-        final = (parser(tok, turn.tools).parse(final, molt.vllm_request(turn), True, ids)[1] or "") if tools else final
-        stream = molt.TextStream(codec, stops, parser(tok, turn.tools) if tools else None, molt.vllm_request(turn))
-        sent, i = "", 0
+        ids = ids[:len(ids) // 3] + tok.convert_tokens_to_ids(["</think>"]) + ids[len(ids) // 3:] \
+            if reasoning != "none" and k % 3 else ids
+        end = next((m for m in range(1, len(ids) + 1) if any(s in decode(ids[:m]) for s in stops)), len(ids))
+        ids, raw = ids[:end], decode(ids[:end])  # the engine stops at the token that completes a stop string
+        stop = min((raw.index(s) for s in stops if s in raw), default=len(raw))
+        want = parser(tok, tools).parse(raw[:stop], request, True, ids)[:2] if parser else ("", raw[:stop])
+        want = tuple(x or "" for x in want)
+        stream, sent, i = molt.TextStream(codec, stops, parser and parser(tok, tools), request), ["", ""], 0
         while i < len(ids):  # deltas of one to four tokens, as the engine sends them
             step = rng.randint(1, 4)
-            sent += stream.push(ids[i:i + step])
+            sent = [a + b for a, b in zip(sent, stream.push(ids[i:i + step]))]
             i += step
-        assert final.startswith(sent), (k, sent, final)
-        assert sent + stream.rest(final) == final
+        reply = molt.Reply(id="", text=want[1], reasoning=want[0], calls=[], finish="stop", ids=ids, prompt_tokens=0)
+        assert all(w.startswith(x) for w, x in zip(want, sent)), (k, sent, want)
+        assert [x + r for x, r in zip(sent, stream.rest(reply))] == list(want)
+        both += bool(want[0] and want[1])
+    assert both > 10 if reasoning != "none" else both == 0, both  # replies with reasoning and text alike
 
 
 def test_a_long_reply_streams_in_linear_time():
