@@ -247,6 +247,11 @@ class ServerConfig:
                           "tool calls); unset: the one the model's vocabulary calls for (TOOL_PARSERS)")
     reasoning_parser: str = _f("", "vLLM's reasoning parser for replies (qwen3, deepseek_r1, ...; none: reasoning "
                                "stays in the text); unset: the one the model calls for (REASONING_PARSERS)")
+    history: str = _f("template", "a turn whose template rewrites earlier turns (Qwen3 drops their reasoning): "
+                      "template opens a new segment of what the template renders (what the deployed model would "
+                      "see; one sample per rewrite, the context prefilled again); append keeps the sampled tokens and "
+                      "appends the new messages (one segment; a context the template would render otherwise, by "
+                      "drift/tokens_changed_frac)", choices=("template", "append"))
 
 
 @dataclass
@@ -1448,6 +1453,7 @@ def turn_sampling(cfg: Config, sampling: dict, context_len: int) -> dict:
 
 
 PROBE = "\x00PROBE\x00"
+SENTINEL = "\ue000"  # a private-use character: where a reply's text ends, in a rendering (--server.history append)
 
 
 # Text nobody sampled (user, system, tool and judged content) must never become a special token. render() breaks each
@@ -2459,11 +2465,24 @@ class LoopbackServer:
         if len(msgs) <= n + 1 or msgs[:n] != s.last_messages or msgs[n]["role"] != "assistant":
             return full, images, None
         seg = next((seg for reply, seg in s.choices if canonical(msgs[n]) == canonical(reply_message(reply))), None)
-        prefix = self.codec.render(msgs[:n + 1], tools, generation=False, **turn.template)
-        if seg is None or not full.startswith(prefix):  # an edited reply, or a template that re-renders old turns
+        prefix, new = self.codec.render(msgs[:n + 1], tools, generation=False, **turn.template), None
+        if seg is not None and full.startswith(prefix):
+            new = full[len(prefix):]
+        elif seg is not None and self.cfg.server.history == "append":  # the template rewrote an earlier turn
+            new = self.appended(msgs, n, tools, turn.template)
+        if new is None:  # an edited reply, or a template that re-renders old turns
             return full, images, None
-        new = len(image_parts(msgs[n + 1:]))  # the images of the new messages: the last ones
-        return self.codec.closing(seg.tokens) + full[len(prefix):], images[len(images) - new:], seg
+        k = len(image_parts(msgs[n + 1:]))  # the images of the new messages: the last ones
+        return self.codec.closing(seg.tokens) + new, images[len(images) - k:], seg
+
+    def appended(self, msgs: list[dict], n: int, tools, template: dict) -> str | None:
+        """--server.history append: the messages after msgs[n] (the reply extended) as the template renders them
+        after it, found past a sentinel written at the end of the reply's text and the template's end of that turn;
+        None when the template shows no such end."""
+        marked = [*msgs[:n], {**msgs[n], "content": canonical(msgs[n])[0] + SENTINEL}, *msgs[n + 1:]]
+        text, suffix = self.codec.render(marked, tools, **template), self.codec.turn_suffix
+        end = text.find(suffix, text.find(SENTINEL)) if SENTINEL in text else -1
+        return None if end < 0 else text[end + len(suffix):]
 
     def shown_tools(self, turn: Turn) -> list | None:
         return None if turn.tool_choice == "none" else turn.tools

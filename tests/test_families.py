@@ -99,31 +99,44 @@ def test_a_tool_episode_as_agent_code_for_a_real_model_writes_it(family, wire):
         assert (trainer_logprobs(path, seg) - torch.tensor(seg.logprobs[1:]))[mask].abs().max() < 1e-3
 
 
-def test_a_template_that_rewrites_an_earlier_turn_opens_a_new_segment_of_its_own_rendering(family):
+@pytest.mark.parametrize("history", ["template", "append"])
+def test_a_template_that_rewrites_an_earlier_turn_opens_a_new_segment_unless_history_appends(family, history):
     """Qwen3's template drops an earlier turn's reasoning once a new user message follows: the conversation sent back
-    (as the SDK returns it) no longer renders as the sampled tokens plus the new messages, so the turn opens a new
-    segment holding exactly what the template renders (never the old tokens cut at the old length). Llama 3.1 and
-    DeepSeek-V3 keep the turn (their <think> is plain text): one segment."""
+    (as the SDK returns it) no longer renders as the sampled tokens plus the new messages. --server.history template:
+    a new segment holding exactly what the template renders (never the old tokens cut at the old length). append:
+    one segment, the sampled tokens kept and the new messages appended as the template renders them, and the drift
+    report counts the tokens the template would have shown otherwise. Llama 3.1 and DeepSeek-V3 keep the turn (their
+    <think> is plain text): one segment, no template drift, either way."""
     name, path, engine = family
     think = {"temperature": 1.0, "max_tokens": 24, "structured_outputs": {"regex": "<think>\nhm\n</think>\n\nok"}}
 
     async def main():
-        async with Server(engine, path, think) as srv:
+        async with Server(engine, path, think, **{"server.history": history}) as srv:
             c, msgs = srv.openai(), [{"role": "user", "content": "Hi"}]
             r = await c.chat.completions.create(model="m", messages=msgs, max_tokens=24)
             msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Go"}]
             await c.chat.completions.create(model="m", messages=msgs, max_tokens=4)
-            return msgs, srv.session.segments, srv.pool.router.prompts
-    msgs, segments, prompts = run(main())
+            s = srv.session
+            return msgs, s.segments, srv.pool.router.prompts, molt.drift_report(srv.pool.codec, s, s.segments)
+    msgs, segments, prompts, drift = run(main())
     codec = molt.Codec(path)
     rendered = codec.render(msgs)
-    if name == "qwen3":  # reasoning apart; the template drops it: a new segment, exactly the template's rendering
-        assert msgs[1]["reasoning_content"].strip() == "hm" and msgs[1]["content"].strip() == "ok"
-        assert "hm" not in rendered and len(segments) == 2 and prompts[-1] == codec.encode(rendered)[0]
-        assert codec.tokenizer.decode(segments[1].tokens).startswith(rendered)
-    else:
+    changed = drift["metrics"]["drift/tokens_changed_frac"]
+    if name != "qwen3":
         assert "<think>" in msgs[1]["content"] and "reasoning_content" not in msgs[1]
         assert len(segments) == 1 and prompts[-1][:len(prompts[0])] == prompts[0]
+        assert "template" not in drift["cause"]  # (sampled tokens may split the text otherwise: boundary)
+        return
+    assert msgs[1]["reasoning_content"].strip() == "hm" and msgs[1]["content"].strip() == "ok" and "hm" not in rendered
+    if history == "template":  # a new segment, exactly the template's rendering
+        assert len(segments) == 2 and prompts[-1] == codec.encode(rendered)[0]
+        assert codec.tokenizer.decode(segments[1].tokens).startswith(rendered)
+    else:  # the sampled reply (its reasoning included) stays; the new user message follows it
+        decode = codec.tokenizer.decode
+        assert len(segments) == 1 and prompts[-1][:len(prompts[0])] == prompts[0]
+        assert decode(prompts[-1]) == decode(prompts[0]) + "<think>\nhm\n</think>\n\nok<|im_end|>\n" \
+            "<|im_start|>user\nGo<|im_end|>\n<|im_start|>assistant\n"
+        assert 0 < changed < 1 and "template" in drift["cause"]
 
 
 def test_reasoning_comes_apart_on_both_wires_streamed_or_not_and_goes_back_to_the_template(family):
