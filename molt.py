@@ -4932,12 +4932,91 @@ def checkpoint(cfg: Config, step: int, models: dict, manager, data_id: str):
                     cfg.train.keep_checkpoints, rollout)
 
 
+# check-template's scripted episode: a tool call, its result, a reply, a new question, a reply. Reasoning is written
+# where the model has a reasoning parser; the call where it has a tool-call parser.
+CHECK_TOOL = {"type": "function", "function": {"name": "lookup", "description": "Look a word up.", "parameters": {
+    "type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}
+CHECK_SCRIPT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What does molt mean?"},
+                {"role": "assistant", "content": "", "reasoning": "Look it up.", "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "lookup",
+                                                                      "arguments": '{"word": "molt"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "to shed skin"},
+                {"role": "assistant", "content": "To shed skin.", "reasoning": "The tool said so."},
+                {"role": "user", "content": "And agent?"}, {"role": "assistant", "content": "One who acts."}]
+
+
+def check_template(cfg: Config) -> int:
+    """python molt.py check-template --model M: the scripted episode through the model's template and parsers, turn by
+    turn, as the loopback server would serve it (its own new_context and reply): whether the template writes the
+    reply after its generation prompt, whether the reply parses back into the message sent, and whether the next
+    request extends the segment, in each history mode, with the tokens a re-rendering framework would change.
+    Non-zero when a reply does not parse back, or when a turn needs a new segment in the chosen mode."""
+    codec = Codec(resolve_model(cfg.model))
+    server = LoopbackServer(cfg, codec, None)
+    tools = [CHECK_TOOL] if server.tool_parser != "none" else None
+    script = _openai_messages([{k: v for k, v in m.items() if (k != "reasoning" or server.reasoning_parser != "none")
+                                and (tools or k != "tool_calls")} for m in CHECK_SCRIPT if tools or m["role"] != "tool"])
+    print(f"check-template {cfg.model}: tool calls {server.tool_parser}, reasoning {server.reasoning_parser}")
+    failed, segments, chosen = False, {"template": 1, "append": 1}, cfg.server.history
+    turns = [i for i, m in enumerate(script) if m["role"] == "assistant"]
+    for i, j in zip(turns, turns[1:] + [None]):
+        reply, ids, problem = check_reply(server, script, i, tools)
+        line = f"  turn {turns.index(i) + 1}: " + (f"FAIL {problem}" if problem else "parses back")
+        failed |= bool(problem)
+        for mode in ("template", "append") if j and not problem else ():
+            cfg.server.history = mode
+            extends, n = check_extension(server, script, i, j, tools, reply, ids)
+            segments[mode] += not extends
+            line += f"; {mode}: " + (f"extends ({n} tokens re-tokenize otherwise)" if extends else
+                                     f"NEW SEGMENT ({n} tokens prefilled again)")
+        print(line)
+    cfg.server.history = chosen
+    print(f"segments per episode: {segments['template']} with --server.history template, {segments['append']} with "
+          f"append; {'FAIL' if failed or (chosen == 'append' and segments[chosen] > 1) else 'OK'} for {chosen}")
+    return int(failed or (chosen == "append" and segments[chosen] > 1))
+
+
+def check_reply(server: "LoopbackServer", script: list, i: int, tools) -> tuple:
+    """(Reply, sampled ids, problem or None) for assistant message i written as the template writes it."""
+    codec, turn = server.codec, Turn(messages=script[:i], tools=tools, stream=False, usage_in_stream=False, sampling={})
+    prompt, done = codec.render(script[:i], tools), codec.render(script[:i + 1], tools, generation=False)
+    if not done.startswith(prompt):
+        return None, None, "the template does not write the reply after its generation prompt"
+    body = done[len(prompt):].removesuffix(codec.turn_suffix)
+    ids = codec.tokenizer(body, add_special_tokens=False)["input_ids"] + [codec.tokenizer.eos_token_id]
+    reply = server.reply(Completion(ids=ids, finish_reason="stop"), turn, len(prompt))
+    got, want = canonical(reply_message(reply)), canonical(script[i])  # (text, calls, reasoning); \n\n after </think>
+    names = ("text", "tool calls", "reasoning")
+    problem = "; ".join(f"{n} {g!r} != {w!r}" for n, g, w in zip(names, got, want) if g != w and
+                        not (isinstance(g, str) and g.strip() == w.strip()))
+    return reply, codec.encode(prompt)[0] + ids, (f"parsed back as {problem}" if problem else None)
+
+
+def check_extension(server: "LoopbackServer", script: list, i: int, j: int, tools, reply: Reply, ids: list) -> tuple:
+    """(whether the request for assistant message j, with reply i sent back as the SDK returns it, extends reply i's
+    segment; then the tokens of its context a re-rendering of the conversation would change, else the tokens the new
+    segment prefills again)."""
+    seg, msgs = Sample(tokens=list(ids)), [*script[:i], *_openai_messages([openai_message(reply)]), *script[i + 1:j]]
+    s = Session(ep=Episode(None, None, [], None, {}, "", ""), key=b"", last_messages=msgs[:i], choices=[(reply, seg)])
+    turn = Turn(messages=msgs, tools=tools, stream=False, usage_in_stream=False, sampling={})
+    text, _, extended = server.new_context(s, turn, [])
+    if extended is None:
+        return False, len(server.codec.encode(text)[0])
+    context = seg.tokens + server.codec.encode(text)[0]
+    retok = server.codec.encode(server.codec.render(msgs, tools))[0]
+    return True, changed_tokens(context, retok, next((k for k, (a, b) in enumerate(zip(context, retok)) if a != b),
+                                                     len(retok) if len(retok) != len(context) else None))
+
+
 def main(argv=None):
-    """python molt.py [flags] trains (RL, or SFT with --mode sft); python molt.py view RUN_DIR writes the viewer."""
+    """python molt.py [flags] trains (RL, or SFT with --mode sft); python molt.py view RUN_DIR writes the viewer;
+    python molt.py check-template --model M checks a chat template before a run."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["view"]:
         from molt_view import main as view  # the viewer only reads a run directory: it lives in its own module
         return view(argv[1:])
+    if argv[:1] == ["check-template"]:
+        return check_template(parse_config(argv[1:]))
     cfg = parse_config(argv)
     check_paths(cfg)
     try:
@@ -5603,6 +5682,6 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import molt
     try:
-        molt.main()
+        sys.exit(molt.main())
     except molt.UsageError as err:
         sys.exit(f"molt: error: {err}")

@@ -181,3 +181,28 @@ def test_reasoning_comes_apart_on_both_wires_streamed_or_not_and_goes_back_to_th
         assert (content[0].thinking.strip(), content[1].text.strip()) == ("hm", "ok")
     assert [b.type for b in a_off.content] == ["text"] and "<think>" in a_off.content[0].text
     assert "<think>\nhm\n</think>" in molt.Codec(path).tokenizer.decode(prompt)
+
+
+def test_check_template_reports_what_the_server_would_do_with_the_familys_template(family):
+    """python molt.py check-template: the scripted tool episode turn by turn. Qwen3 (it rewrites the reasoning of a turn
+    followed by a new question): a new segment there with --server.history template, one segment with append; Llama
+    3.1: one segment either way; DeepSeek-V3's own template writes a call in history only when its content is null,
+    which no server sends (vLLM renders a null content as ""): the call vanishes, so the check fails (exit 1)."""
+    import subprocess
+    import sys
+    name, path, _ = family
+
+    def check(*flags):
+        out = subprocess.run([sys.executable, "molt.py", "check-template", "--model", path, *flags],
+                             capture_output=True, text=True, timeout=600)
+        return out.returncode, out.stdout
+    rc, text = check()
+    assert text.count("parses back") == (2 if name == "deepseek-v3" else 3)
+    if name == "deepseek-v3":
+        assert rc == 1 and "turn 1: FAIL parsed back as tool calls ()" in text
+    elif name == "qwen3":
+        assert rc == 0 and "template: NEW SEGMENT" in text and "append: extends" in text
+        assert "segments per episode: 2 with --server.history template, 1 with append; OK for template" in text
+        assert check("--server.history", "append")[0] == 0
+    else:
+        assert rc == 0 and "NEW SEGMENT" not in text and "1 with --server.history template, 1 with append" in text
