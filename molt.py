@@ -2294,7 +2294,9 @@ class LoopbackServer:
         self.port, self._runner, self._listener, self.connections = None, None, None, set()
         self._starting = asyncio.Lock()
         self.key = "sk-molt-" + secrets.token_hex(16)  # for the unrecorded route (judges, helpers)
-        self.tool_parser, self.reasoning_parser, self.parser = reply_parser(cfg.server, codec.tokenizer,
+        from vllm.tokenizers.hf import get_cached_tokenizer
+        self.tokenizer = get_cached_tokenizer(codec.tokenizer)  # vLLM's proxy: its parsers read the vocabulary per
+        self.tool_parser, self.reasoning_parser, self.parser = reply_parser(cfg.server, self.tokenizer,  # reply
                                                                             codec.tokenizer.chat_template)
         added = {t.content: i for i, t in codec.tokenizer.added_tokens_decoder.items() if len(t.content) > 1}
         self.added = re.compile(trie_pattern(list(added)) or "(?!)"), added  # what a forced call's markers must be
@@ -2540,7 +2542,7 @@ class LoopbackServer:
     def reply_parser(self, turn: Turn):
         """A parser for one reply (it keeps streaming state); the chat-template variables say whether the model thinks
         (Qwen3's enable_thinking), as in vLLM's server."""
-        return self.parser(self.codec.tokenizer, self.shown_tools(turn), chat_template_kwargs=turn.template)
+        return self.parser(self.tokenizer, self.shown_tools(turn), chat_template_kwargs=turn.template)
 
     def parse(self, raw: str, ids: list[int], turn: Turn) -> tuple[str, str, list[dict]]:
         """(reasoning, text, calls) of a whole reply through vLLM's parser for this model."""
