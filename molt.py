@@ -2626,7 +2626,7 @@ def anthropic_error(err: WireError) -> dict:
 
 
 def openai_message(r: Reply) -> dict:
-    msg = {"role": "assistant", "content": r.text if (r.text or not r.calls) else None,
+    msg = {"role": "assistant", "content": r.text if (r.text or not (r.calls or r.reasoning)) else None,
            **({"reasoning": r.reasoning, "reasoning_content": r.reasoning} if r.reasoning else {})}
     if r.calls:
         msg["tool_calls"] = [{"id": c["id"], "type": "function",

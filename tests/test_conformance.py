@@ -109,15 +109,20 @@ ANTHROPIC = {
 
 @pytest.fixture(scope="module")
 def vllm_serve(tiny, tmp_path_factory):
-    """vLLM's own API server on the tiny model, in float32 like Molt's CPU engine, serving it under Molt's name."""
+    yield from serve(tiny, tmp_path_factory, "--tool-call-parser", "hermes")
+
+
+def serve(model, tmp_path_factory, *parsers):
+    """vLLM's own API server on a model, in float32 like Molt's CPU engine, serving it under Molt's name, with the
+    given parser flags."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(tmp_path_factory.mktemp("vllm-serve") / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", tiny,
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                              "--served-model-name", "policy", "--host", "127.0.0.1", "--port", str(port),
                              "--dtype", "float32", "--max-model-len", "1024", "--enforce-eager",
-                             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                             "--enable-auto-tool-choice", *parsers,
                              # Molt's engines: guided JSON with no free whitespace
                              "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}'],
                             stdout=log,
@@ -189,18 +194,20 @@ def openai_view(status, body, stream) -> dict:
         seq = []
         for c in chunks:
             ch = c["choices"][0] if c["choices"] else None
-            step = ("usage",) if ch is None else (tuple(sorted(k for k, v in ch["delta"].items() if v not in
-                                                               (None, [], ""))), ch.get("finish_reason"))
+            step = ("usage",) if ch is None else (tuple(sorted(k for k, v in ch["delta"].items() if v not in (
+                None, [], "") and k != "reasoning_content")), ch.get("finish_reason"))  # Molt's alias of reasoning
             if not seq or seq[-1] != step:
                 seq.append(step)
-        text = "".join((c["choices"][0]["delta"].get("content") or "") for c in chunks if c["choices"])
+        text, reasoning = ("".join((c["choices"][0]["delta"].get(k) or "") for c in chunks if c["choices"])
+                           for k in ("content", "reasoning"))
         return {"kinds": {"chunk": frozenset().union(*map(keys, chunks)),
                           "chunk.choice": frozenset().union(*(keys(c["choices"][0]) for c in chunks if c["choices"]))},
-                "sequence": seq, "done": body[-1][1] == "[DONE]", "text": text}
+                "sequence": seq, "done": body[-1][1] == "[DONE]", "text": text, "reasoning": reasoning}
     ch = body["choices"]
     return {"kinds": {"response": keys(body), "choice": frozenset().union(*map(keys, ch)),
                       "message": frozenset().union(*(keys(c["message"]) for c in ch)), "usage": keys(body["usage"])},
             "finish": [c["finish_reason"] for c in ch], "text": [c["message"]["content"] for c in ch],
+            "reasoning": [c["message"].get("reasoning") for c in ch],
             "usage": (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]),
             "calls": [[t["function"]["name"] for t in c["message"].get("tool_calls") or []] for c in ch],
             "logprobs": [[e["token"] for e in c["logprobs"]["content"]] if c.get("logprobs") else None for c in ch]}
@@ -216,15 +223,16 @@ def anthropic_view(status, body, stream) -> dict:
             if not seq or seq[-1] != step:
                 seq.append(step)
         delta = next(d for n, d in body if n == "message_delta")
-        text = "".join(d["delta"].get("text", "") for n, d in body if n == "content_block_delta")
+        text, thinking = ("".join(d["delta"].get(k, "") for n, d in body if n == "content_block_delta")
+                          for k in ("text", "thinking"))
         return {"kinds": {"message_delta": keys(delta), "message_delta.delta": keys(delta["delta"])},
                 "sequence": seq, "stop": (delta["delta"].get("stop_reason"), delta["delta"].get("stop_sequence")),
-                "text": text}
+                "text": text, "thinking": thinking}
     return {"kinds": {"message": keys(body), "usage": keys(body["usage"]),
                       "block": frozenset().union(*map(keys, body["content"]))},
             "stop": (body["stop_reason"], body.get("stop_sequence")),
             "usage": (body["usage"]["input_tokens"], body["usage"]["output_tokens"]),
-            "blocks": [(b["type"], b.get("text"), b.get("name")) for b in body["content"]]}
+            "blocks": [(b["type"], b.get("text", b.get("thinking")), b.get("name")) for b in body["content"]]}
 
 
 async def answers(engine, tiny, vllm_url, wire, requests):
