@@ -894,10 +894,12 @@ class ChatAgentRunner(Runner):
         check_result(result, f"{self.agent_cls.__name__}.run")
         segments = session.segments  # (one with nothing to train, all greedy or guided, is dropped before training)
         samples = [finish_sample(s, first_scalar(result.reward), result) for s in segments]
+        for s in samples:  # per episode, like the agent's own info (step_metrics averages them over episodes)
+            s.info.update(session.errors)
         last = session.choices[0][1] if session.choices else None
         if any(s is last for s in samples):  # off the event loop: it renders and tokenizes the whole conversation
             last.drift = await asyncio.to_thread(drift_report, pool.codec, session, segments, pool.cfg.dump_samples)
-            for s in samples:  # per episode, like the agent's own info (step_metrics averages them over episodes)
+            for s in samples:
                 s.info.update(last.drift["metrics"])
         return samples
 
@@ -2267,6 +2269,7 @@ class Session:
     last_tools: Any = None
     choices: list = field(default_factory=list)  # [(Reply, the Sample it extended)] of the last turn
     template: dict = field(default_factory=dict)  # the last turn's chat-template variables
+    errors: dict = field(default_factory=lambda: {"server/4xx": 0, "server/5xx": 0})  # answers refused or failed
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -2308,6 +2311,7 @@ class LoopbackServer:
                 return
             app = web.Application(client_max_size=int(self.cfg.server.max_body_mb * 2**20),
                                   middlewares=[web.middleware(wire_errors)])
+            app["sessions"] = self.sessions  # wire_errors counts a session's failed answers
             for root in ("/s/{sid}/v1", "/v1"):  # a session's routes, and the unrecorded ones (judges, helpers)
                 for path in WIRES:
                     app.router.add_post(f"{root}/{path}", self.handle)
@@ -2581,6 +2585,7 @@ class LoopbackServer:
             [reply] = self.record(s, turn, prep, [item])
             await send_events(resp, events.text(*text.rest(reply)) + events.tail(reply))
         except Exception as err:  # noqa: BLE001 - the headers are gone: the error travels as an event
+            count_error(s, 500)
             await send_events(resp, events.error(f"{type(err).__name__}: {err}"))
         await resp.write_eof()
         return resp
@@ -2614,7 +2619,14 @@ async def wire_errors(request, handler):
         failure = err
     except Exception as err:  # noqa: BLE001 - a refusal is a 4xx, a server-side failure a 5xx
         failure = refusal(err) or WireError(500, f"{type(err).__name__}: {err}", "api_error")
+    count_error(request.app["sessions"].get(request.match_info.get("sid")), failure.status)
     return web.json_response(wire_of(request.path).error(failure), status=failure.status)
+
+
+def count_error(s: "Session | None", status: int):
+    if s is not None:
+        key = "server/5xx" if status >= 500 else "server/4xx"
+        s.errors[key] += 1
 
 
 def openai_error(err: WireError) -> dict:

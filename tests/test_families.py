@@ -209,6 +209,20 @@ def test_check_template_reports_what_the_server_would_do_with_the_familys_templa
         assert rc == 0 and "NEW SEGMENT" not in text and "1 with --server.history template, 1 with append" in text
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_tool_agent_trains_two_steps_on_each_family_with_no_server_failure(name, tmp_path):
+    """agents/chat_tools.py (a forced calculator call, its result, free turns) for 2 steps on tiny:FAMILY: every
+    episode's forced call comes back parsed, the server answers no request with a 5xx, and the engine's log-probs of
+    the trained tokens match the trainer's at step 1 (the forced, guided turns are context)."""
+    from test_e2e import metrics, molt as run_molt
+    run_molt("--agent", "agents/chat_tools.py", "--model", f"tiny:{name}", "--steps", 2, "--run-dir", tmp_path / "r")
+    m = metrics(tmp_path / "r")
+    assert [x["step"] for x in m] == [1, 2]
+    assert all(x["server/5xx"] == 0 and x["tools/forced_parsed"] == 1.0 for x in m)  # every episode's
+    assert m[0]["rollout/logprob_gap"] < 1e-3
+
+
 CALLED = [{"role": "user", "content": "Weather in Paris?"},
           {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
               "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
