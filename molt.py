@@ -2310,8 +2310,7 @@ class LoopbackServer:
             if self._runner is not None:
                 return
             app = web.Application(client_max_size=int(self.cfg.server.max_body_mb * 2**20),
-                                  middlewares=[web.middleware(wire_errors)])
-            app["sessions"] = self.sessions  # wire_errors counts a session's failed answers
+                                  middlewares=[web.middleware(functools.partial(wire_errors, self.sessions))])
             for root in ("/s/{sid}/v1", "/v1"):  # a session's routes, and the unrecorded ones (judges, helpers)
                 for path in WIRES:
                     app.router.add_post(f"{root}/{path}", self.handle)
@@ -2603,10 +2602,10 @@ def refusal(err: Exception) -> WireError | None:
     return None
 
 
-async def wire_errors(request, handler):
+async def wire_errors(sessions: dict, request, handler):
     """Every refusal in the JSON error shape of the request's wire: a WireError, a request refused downstream (a 400),
     a server-side failure (a 500: no engine left, say), and aiohttp's own (an unknown path or method, a body over the
-    limit)."""
+    limit). Each is counted in its session's errors."""
     from aiohttp import web
     try:
         return await handler(request)
@@ -2619,7 +2618,7 @@ async def wire_errors(request, handler):
         failure = err
     except Exception as err:  # noqa: BLE001 - a refusal is a 4xx, a server-side failure a 5xx
         failure = refusal(err) or WireError(500, f"{type(err).__name__}: {err}", "api_error")
-    count_error(request.app["sessions"].get(request.match_info.get("sid")), failure.status)
+    count_error(sessions.get(request.match_info.get("sid")), failure.status)
     return web.json_response(wire_of(request.path).error(failure), status=failure.status)
 
 

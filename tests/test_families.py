@@ -184,6 +184,28 @@ def test_reasoning_comes_apart_on_both_wires_streamed_or_not_and_goes_back_to_th
     assert "<think>\nhm\n</think>" in molt.Codec(path).tokenizer.decode(prompt)
 
 
+def test_an_edited_reasoning_is_an_edited_reply(family):
+    """Reasoning is part of the reply: sent back as returned, the next turn extends the segment (history append, so
+    Qwen3's rewriting of earlier reasoning does not interfere); sent back edited, it opens a new one."""
+    name, path, engine = family
+    if name != "qwen3":
+        pytest.skip("no reasoning parser for this family")
+    think = {"temperature": 1.0, "max_tokens": 24, "structured_outputs": {"regex": "<think>\nhm\n</think>\n\nok"}}
+
+    async def main():
+        async with Server(engine, path, think, **{"server.history": "append"}) as srv:
+            c, msgs = srv.openai(), [{"role": "user", "content": "Hi"}]
+            r = await c.chat.completions.create(model="m", messages=msgs)
+            msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "Go"}]
+            r = await c.chat.completions.create(model="m", messages=msgs)
+            kept = len(srv.session.segments)
+            edited = {**r.choices[0].message.model_dump(exclude_none=True), "reasoning_content": "hmm"}
+            edited.pop("reasoning", None)
+            await c.chat.completions.create(model="m", messages=[*msgs, edited, {"role": "user", "content": "More"}])
+            return kept, len(srv.session.segments)
+    assert run(main()) == (1, 2)
+
+
 def test_check_template_reports_what_the_server_would_do_with_the_familys_template(family):
     """python molt.py check-template: the scripted tool episode turn by turn. Qwen3 (it rewrites the reasoning of a turn
     followed by a new question): a new segment there with --server.history template, one segment with append; Llama

@@ -177,6 +177,18 @@ def test_n_choices_after_earlier_turns_each_extend_the_conversation_not_each_oth
         assert tok.decode(seg.tokens[len(prompts[1]):], skip_special_tokens=True).startswith(choice.message.content)
 
 
+def test_a_sessions_refused_answers_are_counted_in_its_episode(engine, tiny):
+    """Each 4xx (and 5xx) a session answers is counted (server/4xx, server/5xx in the episode's info); an answered
+    turn is not."""
+    async def main():
+        async with Server(engine, tiny) as srv:
+            bad = [await srv.post("/v1/chat/completions", {"messages": "hi"}),
+                   await srv.post("/v1/messages", {"messages": HELLO})]  # no max_tokens
+            await srv.openai().chat.completions.create(model="m", messages=HELLO, max_tokens=2)
+            return [status for status, _ in bad], dict(srv.session.errors)
+    assert run(main()) == ([400, 400], {"server/4xx": 2, "server/5xx": 0})
+
+
 def test_response_format_and_template_switches_reach_the_engine(engine, tiny):
     # bounded (a random model cannot run out of max_tokens inside it): the engine allows no free whitespace, the
     # schema no endless digits
