@@ -1730,7 +1730,8 @@ def canonical(message: dict) -> tuple:
 
 
 def reply_message(r: Reply) -> dict:
-    return {"role": "assistant", "content": r.text, "reasoning": r.reasoning, "reasoning_content": r.reasoning,
+    return {"role": "assistant", "content": r.text, **({"reasoning": r.reasoning, "reasoning_content": r.reasoning}
+                                                       if r.reasoning else {}),  # as openai_message sends it back
             "tool_calls": [{"function": {"name": c["name"], "arguments": c["arguments"]}} for c in r.calls]}
 
 
@@ -2495,7 +2496,8 @@ class LoopbackServer:
     def forced_call(self, turn: Turn) -> dict | None:
         """tool_choice required / a named tool: vLLM's structured outputs for exactly one call of one of the (or the)
         tools, in this model's own call format (its parser's structural tag, tightened by strict_tag), the arguments
-        held to the tool's schema as compact JSON."""
+        held to the tool's schema as compact JSON. Guided from the first token: a reasoning model writes no reasoning
+        first (vLLM's server guides only once reasoning ends, which a policy early in RL may never do: no call)."""
         if turn.tool_choice in ("auto", "none"):
             return None
         _require(self.tool_parser != "none", "this model has no tool-call parser (--server.tool-parser): "
