@@ -1449,8 +1449,8 @@ def turn_sampling(cfg: Config, sampling: dict, context_len: int) -> dict:
 
 # ======================================================================================================
 # 6. Chat codec: messages -> tokens for one model, tokenizing only new text, so a segment extends token for token
-# what was sampled; tool calls parsed from replies; images; the drift report (what a text-based framework would
-# have re-tokenized differently).
+# what was sampled; and back: replies -> reasoning, text and tool calls through vLLM's parsers for the model; images;
+# the drift report (what a text-based framework would have re-tokenized differently).
 # ======================================================================================================
 
 
@@ -1689,6 +1689,44 @@ class TextStream:
         """(reasoning, text) that remain to send once the reply is known (what was sent always begins it)."""
         return tuple(final[len(sent):] if final.startswith(sent) else ""
                      for final, sent in zip((reply.reasoning, reply.text), self.emitted))
+
+
+# vLLM's parsers for a model's replies, recognised from it (the first row that matches): a tool-call parser by a token
+# its vocabulary has; a reasoning parser by a token and a word of its chat template (a template that renders earlier
+# reasoning back: Qwen3's does, the tiny ChatML one only knows enable_thinking). --server.tool-parser and
+# --server.reasoning-parser name others (any of vLLM's), or none.
+TOOL_PARSERS = (("<｜tool▁calls▁begin｜>", "deepseek_v3"), ("<|python_tag|>", "llama3_json"),
+                ("<tool_call>", "hermes"))
+REASONING_PARSERS = (("<think>", "reasoning_content", "qwen3"),)
+
+
+def reply_parser(cfg: "ServerConfig", tokenizer, template: str) -> tuple[str, str, type | None]:
+    """(tool-call parser name, reasoning parser name, vLLM's Parser class composing them or None); "none" for
+    either one the model has none of."""
+    from vllm.parser.parser_manager import ParserManager
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+    vocab = tokenizer.get_vocab()
+    tool = cfg.tool_parser or next((name for token, name in TOOL_PARSERS if token in vocab), "none")
+    reasoning = cfg.reasoning_parser or next((name for token, word, name in REASONING_PARSERS
+                                              if token in vocab and word in (template or "")), "none")
+    for flag, name, known in (("tool-parser", tool, ToolParserManager.list_registered()),
+                              ("reasoning-parser", reasoning, ReasoningParserManager.list_registered())):
+        if name != "none" and name not in known:
+            raise UsageError(f"--server.{flag} {name}: not one of vLLM's ({', '.join(sorted(known))})")
+    parser = ParserManager.get_parser(tool_parser_name=None if tool == "none" else tool, enable_auto_tools=True,
+                                      reasoning_parser_name=None if reasoning == "none" else reasoning,
+                                      tokenizer=tokenizer, tool_strict_level="parameter")  # forced arguments fit
+    return tool, reasoning, parser
+
+
+def vllm_request(turn: Turn):
+    """The turn as vLLM's ChatCompletionRequest, as its parsers read it (tools and tool_choice; a forced call is one
+    call, as it always was here)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    choice = "none" if not turn.tools else turn.tool_choice if turn.tool_choice in ("auto", "none", "required") else {
+        "type": "function", "function": {"name": turn.tool_choice}}
+    return ChatCompletionRequest(model="m", messages=[], tools=turn.tools, tool_choice=choice, parallel_tool_calls=False)
 
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -2798,44 +2836,6 @@ def wire_of(path: str) -> Wire:
     """The wire a request path belongs to (/v1/messages/count_tokens is Anthropic's); OpenAI's for the rest
     (/v1/models, unknown paths), whose errors then take its shape."""
     return next((w for key, w in WIRES.items() if f"/{key}" in path), WIRES["chat/completions"])
-
-
-# vLLM's parsers for a model's replies, recognised from it (the first row that matches): a tool-call parser by a token
-# its vocabulary has; a reasoning parser by a token and a word of its chat template (a template that renders earlier
-# reasoning back: Qwen3's does, the tiny ChatML one only knows enable_thinking). --server.tool-parser and
-# --server.reasoning-parser name others (any of vLLM's), or none.
-TOOL_PARSERS = (("<｜tool▁calls▁begin｜>", "deepseek_v3"), ("<|python_tag|>", "llama3_json"),
-                ("<tool_call>", "hermes"))
-REASONING_PARSERS = (("<think>", "reasoning_content", "qwen3"),)
-
-
-def reply_parser(cfg: "ServerConfig", tokenizer, template: str) -> tuple[str, str, type | None]:
-    """(tool-call parser name, reasoning parser name, vLLM's Parser class composing them or None); "none" for
-    either one the model has none of."""
-    from vllm.parser.parser_manager import ParserManager
-    from vllm.reasoning import ReasoningParserManager
-    from vllm.tool_parsers import ToolParserManager
-    vocab = tokenizer.get_vocab()
-    tool = cfg.tool_parser or next((name for token, name in TOOL_PARSERS if token in vocab), "none")
-    reasoning = cfg.reasoning_parser or next((name for token, word, name in REASONING_PARSERS
-                                              if token in vocab and word in (template or "")), "none")
-    for flag, name, known in (("tool-parser", tool, ToolParserManager.list_registered()),
-                              ("reasoning-parser", reasoning, ReasoningParserManager.list_registered())):
-        if name != "none" and name not in known:
-            raise UsageError(f"--server.{flag} {name}: not one of vLLM's ({', '.join(sorted(known))})")
-    parser = ParserManager.get_parser(tool_parser_name=None if tool == "none" else tool, enable_auto_tools=True,
-                                      reasoning_parser_name=None if reasoning == "none" else reasoning,
-                                      tokenizer=tokenizer, tool_strict_level="parameter")  # forced arguments fit
-    return tool, reasoning, parser
-
-
-def vllm_request(turn: Turn):
-    """The turn as vLLM's ChatCompletionRequest, as its parsers read it (tools and tool_choice; a forced call is one
-    call, as it always was here)."""
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    choice = "none" if not turn.tools else turn.tool_choice if turn.tool_choice in ("auto", "none", "required") else {
-        "type": "function", "function": {"name": turn.tool_choice}}
-    return ChatCompletionRequest(model="m", messages=[], tools=turn.tools, tool_choice=choice, parallel_tool_calls=False)
 
 
 # ======================================================================================================
