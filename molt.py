@@ -2792,10 +2792,11 @@ class AnthropicEvents:
         return [("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})]
 
     def close(self):
-        sign = [("content_block_delta", {"type": "content_block_delta", "index": self.index,  # as Anthropic's does
-                                         "delta": {"type": "signature_delta", "signature": ""}})]
+        """The open block's end (a thinking block's signature first, as Anthropic's API sends it)."""
         if self.open is None:
             return []
+        sign = [("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                         "delta": {"type": "signature_delta", "signature": ""}})]
         out = (sign if self.open == "thinking" else []) + [
             ("content_block_stop", {"type": "content_block_stop", "index": self.index})]
         self.open = None
@@ -5019,8 +5020,9 @@ def check_extension(server: "LoopbackServer", script: list, i: int, j: int, tool
         return False, len(server.codec.encode(text)[0])
     context = seg.tokens + server.codec.encode(text)[0]
     retok = server.codec.encode(server.codec.render(msgs, tools))[0]
-    return True, changed_tokens(context, retok, next((k for k, (a, b) in enumerate(zip(context, retok)) if a != b),
-                                                     len(retok) if len(retok) != len(context) else None))
+    first = next((k for k, (a, b) in enumerate(zip(context, retok)) if a != b),
+                 min(len(context), len(retok)) if len(retok) != len(context) else None)
+    return True, changed_tokens(context, retok, first)
 
 
 def main(argv=None):
