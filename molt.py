@@ -273,7 +273,9 @@ class Config:
     mode: str = _f("rl", "rl, or sft: supervised fine-tuning on chat rows ({\"messages\": [...], \"tools\": [...]}) in "
                    "--data, loss on the assistant turns; its checkpoints start RL (--model RUN/checkpoints/step_N)")
     agent: str = _f("", "agent module path; it exports AgentRunner and may define DEFAULTS")
-    model: str = _f("tiny", "HF hub id, local HF directory, or tiny / tiny-moe / tiny-vl (built offline)")
+    model: str = _f("tiny", "HF hub id, local HF directory, or tiny / tiny-moe / tiny-vl / tiny:FAMILY (built offline)")
+    chat_template: str = _f("", "a Jinja chat template file to use instead of the model's own (as vLLM's "
+                                "--chat-template), e.g. examples/templates/deepseek_v3_tools.jinja")
     run_dir: str = _f("", "run directory (default runs/<timestamp>)")
     steps: int = _f(100, "training steps")
     seed: int = _f(0, "seed (engine i samples with seed + i)")
@@ -375,9 +377,9 @@ def check_path(flag: str, value: str):
         raise UsageError(f"{flag} {value}: no such file or directory")
 
 
-PATH_FIELDS = {"--agent": "agent", "--model": "model", "--data": "data.path", "--eval-data": "data.eval_path",
-               "--ref.model": "ref.model", "--offline-samples": "offline_samples", "--data.media-root":
-               "data.media_root", "--run-dir": "run_dir"}
+PATH_FIELDS = {"--agent": "agent", "--model": "model", "--chat-template": "chat_template", "--data": "data.path",
+               "--eval-data": "data.eval_path", "--ref.model": "ref.model", "--offline-samples": "offline_samples",
+               "--data.media-root": "data.media_root", "--run-dir": "run_dir"}
 
 
 def check_paths(cfg: Config):
@@ -1504,13 +1506,15 @@ def trie_pattern(words: list[str]) -> str:
 class Codec:
     """Chat template, tokenizer and (for a VLM) processor of one model."""
 
-    def __init__(self, model_path: str):
+    def __init__(self, model_path: str, chat_template: str = ""):
         from transformers import AutoTokenizer
         self.processor = None
         if is_vlm(model_path):  # (AutoProcessor imports torchvision and torch's compiler: VLMs only)
             from transformers import AutoProcessor
             self.processor = AutoProcessor.from_pretrained(model_path)
         self.tokenizer = self.processor.tokenizer if self.processor else AutoTokenizer.from_pretrained(model_path)
+        for owner in filter(None, (self.tokenizer, self.processor) if chat_template else ()):  # --chat-template
+            owner.chat_template = Path(chat_template).read_text()
         # the n episodes of a group render and tokenize the same prompt: do each once (jinja rendering was a fifth of
         # an agent pool's time on the copy task)
         self.rendered, self.text_ids = TextCache(), TextCache()
@@ -2885,7 +2889,7 @@ class AgentPool:
         os.environ.update(MOLT_IMAGE_MAX_MB=str(cfg.data.image_max_mb),
                           MOLT_IMAGE_MAX_PIXELS=str(cfg.data.image_max_pixels))
         self.runner = load_agent(node_path(agent_path)) if agent_path else None
-        self.codec, self.router = Codec(model_path), Router(engines)
+        self.codec, self.router = Codec(model_path, node_path(cfg.chat_template)), Router(engines)
         self.server = LoopbackServer(cfg, self.codec, self.router)
         self.watchdog = None
 
@@ -3722,7 +3726,7 @@ def sft_main(cfg: Config):
     setup_run_dir(cfg, data_id := data_fingerprint(rows))
     ray_init(cfg)
     model_path, t_start = resolve_model(cfg.model), time.time()
-    codec = Codec(model_path)
+    codec = Codec(model_path, cfg.chat_template)
     samples = [sft_sample(codec, r, i, row_images(cfg.data, r, codec)) for i, r in enumerate(rows)]
     evals = [sft_sample(codec, r, i, row_images(cfg.data, r, codec)) for i, r in enumerate(load_rows(
         cfg.data.eval_path, dataclasses.replace(cfg.data, prompt_key="messages")))] if cfg.data.eval_path else []
@@ -4967,7 +4971,7 @@ def check_template(cfg: Config) -> int:
     reply after its generation prompt, whether the reply parses back into the message sent, and whether the next
     request extends the segment, in each history mode, with the tokens a re-rendering framework would change.
     Non-zero when a reply does not parse back, or when a turn needs a new segment in the chosen mode."""
-    codec = Codec(resolve_model(cfg.model))
+    codec = Codec(resolve_model(cfg.model), cfg.chat_template)
     server = LoopbackServer(cfg, codec, None)
     tools = [CHECK_TOOL] if server.tool_parser != "none" else None
     script = _openai_messages([{k: v for k, v in m.items() if (k != "reasoning" or server.reasoning_parser != "none")

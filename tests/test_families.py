@@ -221,8 +221,10 @@ def test_check_template_reports_what_the_server_would_do_with_the_familys_templa
         return out.returncode, out.stdout
     rc, text = check()
     assert text.count("parses back") == (2 if name == "deepseek-v3" else 3)
-    if name == "deepseek-v3":
+    if name == "deepseek-v3":  # ... and passes with a template that writes calls (--chat-template)
         assert rc == 1 and "turn 1: FAIL parsed back as tool calls ()" in text
+        rc, text = check("--chat-template", "examples/templates/deepseek_v3_tools.jinja")
+        assert rc == 0 and text.count("parses back") == 3 and "NEW SEGMENT" not in text
     elif name == "qwen3":
         assert rc == 0 and "template: NEW SEGMENT" in text and "append: extends" in text
         assert "segments per episode: 2 with --server.history template, 1 with append; OK for template" in text
