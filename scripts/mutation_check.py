@@ -38,7 +38,7 @@ MUTATIONS = [
      "return self.closing(action_ids) + full[len(self.probe_base):]", "return full[len(self.probe_base):]",
      [f"{AG}::test_env_engine_input_is_the_rendered_conversation_with_the_sampled_ids"]),
     ("chat-closing", "token identity: the chat path drops the end-of-turn text between turns",
-     "return self.codec.closing(seg.tokens) + full[len(prefix):]", "return full[len(prefix):]",
+     "return self.codec.closing(seg.tokens) + new, images", "return new, images",
      [f"{AG}::test_multi_turn_chat_is_one_token_exact_segment"]),
     ("chat-retokenize", "token identity: the chat path re-tokenizes the session's text",
      "context = (seg.tokens if seg else []) + ids",
