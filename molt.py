@@ -1704,24 +1704,63 @@ TOOL_PARSERS = (("<｜tool▁calls▁begin｜>", "deepseek_v3"), ("<|python_tag|
 REASONING_PARSERS = (("<think>", "reasoning_content", "qwen3"),)
 
 
-def reply_parser(cfg: "ServerConfig", tokenizer, template: str) -> tuple[str, str, type | None]:
-    """(tool-call parser name, reasoning parser name, vLLM's Parser class composing them or None); "none" for
-    either one the model has none of."""
-    from vllm.parser.parser_manager import ParserManager
-    from vllm.reasoning import ReasoningParserManager
-    from vllm.tool_parsers import ToolParserManager
-    vocab = tokenizer.get_vocab()
-    tool = cfg.tool_parser or next((name for token, name in TOOL_PARSERS if token in vocab), "none")
-    reasoning = cfg.reasoning_parser or next((name for token, word, name in REASONING_PARSERS
-                                              if token in vocab and word in (template or "")), "none")
-    for flag, name, known in (("tool-parser", tool, ToolParserManager.list_registered()),
-                              ("reasoning-parser", reasoning, ReasoningParserManager.list_registered())):
-        if name != "none" and name not in known:
-            raise UsageError(f"--server.{flag} {name}: not one of vLLM's ({', '.join(sorted(known))})")
-    parser = ParserManager.get_parser(tool_parser_name=None if tool == "none" else tool, enable_auto_tools=True,
-                                      reasoning_parser_name=None if reasoning == "none" else reasoning,
-                                      tokenizer=tokenizer, tool_strict_level="parameter")  # forced arguments fit
-    return tool, reasoning, parser
+class ReplyParser:
+    """One model's replies -> (reasoning, text, tool calls) through vLLM's parsers, and a forced call written in the
+    model's own call format. tool and reasoning name the parsers ("none": the model has none of that kind); cls is
+    vLLM's Parser class composing them (None when both are none)."""
+
+    def __init__(self, cfg: "ServerConfig", tokenizer):
+        from vllm.parser.parser_manager import ParserManager
+        from vllm.reasoning import ReasoningParserManager
+        from vllm.tool_parsers import ToolParserManager
+        from vllm.tokenizers.hf import get_cached_tokenizer  # vLLM 0.32: its parsers read the vocabulary per reply,
+        self.tokenizer, vocab = get_cached_tokenizer(tokenizer), tokenizer.get_vocab()  # which its proxy caches
+        template = tokenizer.chat_template or ""
+        self.tool = cfg.tool_parser or next((name for token, name in TOOL_PARSERS if token in vocab), "none")
+        self.reasoning = cfg.reasoning_parser or next((name for token, word, name in REASONING_PARSERS
+                                                       if token in vocab and word in template), "none")
+        for flag, name, known in (("tool-parser", self.tool, ToolParserManager.list_registered()),
+                                  ("reasoning-parser", self.reasoning, ReasoningParserManager.list_registered())):
+            if name != "none" and name not in known:
+                raise UsageError(f"--server.{flag} {name}: not one of vLLM's ({', '.join(sorted(known))})")
+        self.cls = ParserManager.get_parser(tool_parser_name=None if self.tool == "none" else self.tool,
+                                            reasoning_parser_name=None if self.reasoning == "none" else self.reasoning,
+                                            enable_auto_tools=True, tokenizer=self.tokenizer,
+                                            tool_strict_level="parameter")  # forced arguments fit the schema
+        added = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if len(t.content) > 1}
+        self.added = re.compile(trie_pattern(list(added)) or "(?!)"), added  # what a forced call's markers must be
+
+    def active(self, turn: Turn) -> bool:
+        """Whether the turn's reply goes through vLLM's parser: the model has a reasoning parser, or tools are offered
+        and it has a tool-call parser."""
+        return self.reasoning != "none" or (self.tool != "none" and bool(turn.shown_tools))
+
+    def for_turn(self, turn: Turn):
+        """A parser for one reply (it keeps streaming state); the chat-template variables say whether the model thinks
+        (Qwen3's enable_thinking), as in vLLM's server."""
+        return self.cls(self.tokenizer, turn.shown_tools, chat_template_kwargs=turn.template)
+
+    def parse(self, raw: str, ids: list[int], turn: Turn) -> tuple[str, str, list[dict]]:
+        """(reasoning, text, calls) of a whole reply."""
+        reasoning, content, calls = self.for_turn(turn).parse(raw, vllm_request(turn), True, ids)
+        return reasoning or "", content or "", [{"id": f"call_{uuid.uuid4().hex[:24]}", "name": c.name,
+                                                 "arguments": c.arguments} for c in calls or []]
+
+    def forced(self, turn: Turn) -> dict | None:
+        """tool_choice required / a named tool: vLLM's structured outputs for exactly one call of one of the (or the)
+        tools, in this model's own call format (its parser's structural tag, tightened by strict_tag), the arguments
+        held to the tool's schema as compact JSON. Guided from the first token: a reasoning model writes no reasoning
+        first (vLLM's server guides only once reasoning ends, which a policy early in RL may never do: no call)."""
+        if turn.tool_choice in ("auto", "none"):
+            return None
+        _require(self.tool != "none", "this model has no tool-call parser (--server.tool-parser): "
+                 "tool_choice cannot force a call")
+        try:
+            guided = self.for_turn(turn).adjust_request(vllm_request(turn)).structured_outputs
+            _require(guided is not None and guided.structural_tag, f"vLLM's {self.tool} parser cannot force a tool call")
+            return {"structural_tag": json.dumps(strict_tag(json.loads(guided.structural_tag), self.added))}
+        except (RuntimeError, ValueError) as err:  # xgrammar refuses the tool's schema
+            raise WireError(400, f"tool_choice: the tool's schema cannot guide a call ({str(err).strip()[:300]})")
 
 
 def vllm_request(turn: Turn):
@@ -1978,6 +2017,10 @@ class Turn:
     template: dict = field(default_factory=dict)  # chat-template variables (chat_template_kwargs, thinking)
     retry: bool = False  # the SDK marked it as a retry of the request it sent last: answer from the cache
 
+    @property
+    def shown_tools(self) -> list | None:
+        return None if self.tool_choice == "none" else self.tools
+
 
 @dataclass
 class Reply:
@@ -2029,17 +2072,16 @@ def sampling_fields(body: dict, rows: tuple) -> dict:
     return out
 
 
-def _require(cond, message: str, status: int = 400):
+def _require(cond, message: str, status: int = 400, kind: str = "invalid_request_error"):
     if not cond:
-        raise WireError(status, message)
+        raise WireError(status, message, kind)
 
 
 def _number(body: dict, key: str, lo: float, hi: float, integer=False):
     v = body.get(key)
-    if v is None:
-        return None
     ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    _require(ok and not isinstance(v, bool) and lo <= v <= hi, f"'{key}' must be a number in [{lo}, {hi}]")
+    _require(v is None or (ok and not isinstance(v, bool) and lo <= v <= hi),
+             f"'{key}' must be a number in [{lo}, {hi}]")
     return v
 
 
@@ -2056,9 +2098,7 @@ def _string(value, where: str, optional=True):
 def _stops(value, where: str, one=True) -> list[str] | None:
     """A stop string (when one is allowed) or a list of them: at most MAX_STOPS, each 1 to MAX_STOP_CHARS
     characters."""
-    if value is None:
-        return None
-    stops = [value] if isinstance(value, str) and one else value
+    stops = [] if value is None else [value] if isinstance(value, str) and one else value
     _require(isinstance(stops, list) and len(stops) <= MAX_STOPS and
              all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stops),
              f"'{where}' must be a string or a list of at most {MAX_STOPS} strings of 1 to {MAX_STOP_CHARS} characters")
@@ -2077,11 +2117,8 @@ def json_problem(value, limit: int = MAX_JSON_DEPTH) -> str | None:
             stack += [(x, depth + 1) for x in v.values()] + [(k, depth) for k in v]
         elif isinstance(v, list):
             stack += [(x, depth + 1) for x in v]
-        elif isinstance(v, str) and not v.isascii():
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                return "request JSON holds a string with a lone UTF-16 surrogate (\\ud800-\\udfff)"
+        elif isinstance(v, str) and re.search("[\ud800-\udfff]", v):
+            return "request JSON holds a string with a lone UTF-16 surrogate (\\ud800-\\udfff)"
     return None
 
 
@@ -2101,8 +2138,8 @@ def _openai_content(content, where: str):
             _string(part.get("text"), f"{where}[{j}].text", optional=False)
         elif kind == "image_url":
             url = part.get("image_url")
-            url = url.get("url") if isinstance(url, dict) else None
-            _require(isinstance(url, str), f"'{where}[{j}].image_url.url' must be a string")
+            _require(isinstance(url, dict) and isinstance(url.get("url"), str), f"'{where}[{j}].image_url.url' must be "
+                     "a string")
         else:
             _require(False, f"'{where}[{j}].type' must be text or image_url, not {kind!r}")
     return content
@@ -2138,17 +2175,15 @@ def _openai_messages(messages) -> list[dict]:
     return out
 
 
-def _tools(tools, where="tools") -> list | None:
+def _tools(tools) -> list | None:
     """OpenAI function tools (Anthropic's are converted before): each {"type": "function", "function": {"name",
     "description", "parameters"}}."""
-    if tools is None:
-        return None
-    _require(isinstance(tools, list), f"'{where}' must be a list of tools")
-    for j, t in enumerate(tools):
+    _require(tools is None or isinstance(tools, list), "'tools' must be a list of tools")
+    for j, t in enumerate(tools or []):
         fn = t.get("function") if isinstance(t, dict) else None
         _require(isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"] and
                  isinstance(fn.get("description", ""), str) and isinstance(fn.get("parameters", {}), dict),
-                 f"'{where}[{j}]' must be {{\"type\": \"function\", \"function\": {{\"name\": string, "
+                 f"'tools[{j}]' must be {{\"type\": \"function\", \"function\": {{\"name\": string, "
                  "\"description\": string, \"parameters\": object}}")
     return tools or None
 
@@ -2171,15 +2206,11 @@ def _tool_choice(choice, tools: list | None):
 def _response_format(fmt) -> dict | None:
     """vLLM structured outputs for a response_format: json_object, or json_schema."""
     fmt = _object(fmt, "response_format")
-    kind = fmt.get("type", "text")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"json_object": True}
-    schema = (fmt.get("json_schema") or {}).get("schema") if isinstance(fmt.get("json_schema"), dict) else None
-    _require(kind == "json_schema" and isinstance(schema, dict),
+    kind, spec = fmt.get("type", "text"), fmt.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    _require(kind in ("text", "json_object") or (kind == "json_schema" and isinstance(schema, dict)),
              "'response_format' must be text, json_object, or json_schema with a json_schema.schema object")
-    return {"json": schema}
+    return {"text": None, "json_object": {"json_object": True}}.get(kind, {"json": schema})
 
 
 def decode_openai(body: dict) -> Turn:
@@ -2248,40 +2279,27 @@ def _anthropic_message(m, i: int) -> list[dict]:
             parts.append(_anthropic_block(b, where))
     out = results + ([{"role": m["role"], "content": parts}] if parts or not results else [])
     if calls or thoughts:
-        out = out or [{"role": "assistant", "content": []}]
         out[-1].update({"tool_calls": calls} if calls else {})
         out[-1].update({"reasoning": "".join(thoughts), "reasoning_content": "".join(thoughts)} if thoughts else {})
     return out
 
 
 def _anthropic_tools(tools) -> list | None:
-    if tools is None:
-        return None
-    _require(isinstance(tools, list), "'tools' must be a list")
-    out = []
-    for j, t in enumerate(tools):
+    _require(tools is None or isinstance(tools, list), "'tools' must be a list")
+    for j, t in enumerate(tools or []):
         _require(isinstance(t, dict) and isinstance(t.get("name"), str) and t["name"] and
                  isinstance(t.get("input_schema", {}), dict) and isinstance(t.get("description", ""), str),
                  f"'tools[{j}]' must be {{\"name\": string, \"description\": string, \"input_schema\": object}}")
-        out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
-                                                      "parameters": t.get("input_schema", {})}})
-    return out or None
+    return [{"type": "function", "function": {"name": t["name"], "description": t.get("description", ""),
+                                              "parameters": t.get("input_schema", {})}} for t in tools or []] or None
 
 
 def _anthropic_tool_choice(choice, tools):
     choice = _object(choice, "tool_choice")
     kind = choice.get("type", "auto")
     _require(kind in ("auto", "any", "tool", "none"), "'tool_choice.type' must be auto, any, tool or none")
-    if kind == "tool":
-        return _tool_choice({"function": {"name": choice.get("name")}}, tools)
-    return _tool_choice({"any": "required"}.get(kind, kind), tools)
-
-
-def _system(system) -> str | None:
-    if system is None or isinstance(system, str):
-        return system
-    _require(isinstance(system, list), "'system' must be a string or a list of text blocks")
-    return "".join(_anthropic_block(b, f"system[{j}]").get("text", "") for j, b in enumerate(system))
+    named = {"function": {"name": choice.get("name")}}  # tool: that one; any: one of them
+    return _tool_choice(named if kind == "tool" else {"any": "required"}.get(kind, kind), tools)
 
 
 def decode_anthropic(body: dict) -> Turn:
@@ -2289,7 +2307,10 @@ def decode_anthropic(body: dict) -> Turn:
     sampling are ignored; thinking reaches the chat template as enable_thinking)."""
     _require(isinstance(body.get("messages"), list) and body["messages"], "'messages' must be a non-empty list")
     _require(_number(body, "max_tokens", 1, 1 << 30, True) is not None, "'max_tokens' is required")
-    system = _system(body.get("system"))
+    system = body.get("system")
+    _require(system is None or isinstance(system, (str, list)), "'system' must be a string or a list of text blocks")
+    if isinstance(system, list):
+        system = "".join(_anthropic_block(b, f"system[{j}]").get("text", "") for j, b in enumerate(system))
     msgs = ([{"role": "system", "content": system}] if system else []) + \
         [x for i, m in enumerate(body["messages"]) for x in _anthropic_message(m, i)]
     tools = _anthropic_tools(body.get("tools"))
@@ -2340,12 +2361,7 @@ class LoopbackServer:
         self.port, self._runner, self._listener, self.connections = None, None, None, set()
         self._starting = asyncio.Lock()
         self.key = "sk-molt-" + secrets.token_hex(16)  # for the unrecorded route (judges, helpers)
-        from vllm.tokenizers.hf import get_cached_tokenizer
-        self.tokenizer = get_cached_tokenizer(codec.tokenizer)  # vLLM's proxy: its parsers read the vocabulary per
-        self.tool_parser, self.reasoning_parser, self.parser = reply_parser(cfg.server, self.tokenizer,  # reply
-                                                                            codec.tokenizer.chat_template)
-        added = {t.content: i for i, t in codec.tokenizer.added_tokens_decoder.items() if len(t.content) > 1}
-        self.added = re.compile(trie_pattern(list(added)) or "(?!)"), added  # what a forced call's markers must be
+        self.parser = ReplyParser(cfg.server, codec.tokenizer)
 
     async def start(self):
         from aiohttp import web
@@ -2399,12 +2415,11 @@ class LoopbackServer:
         sid = request.match_info.get("sid")
         s = self.sessions.get(sid) if sid else Session(ep=Episode(None, None, [], None, {}, "", uuid.uuid4().hex),
                                                         key=_digest(self.key))
-        if s is None:
-            raise WireError(404, "unknown or closed session", "not_found_error")
+        _require(s is not None, "unknown or closed session", 404, "not_found_error")
         auth = request.headers.get("Authorization", "")
         key = auth[7:] if auth.startswith("Bearer ") else request.headers.get("x-api-key", "")
-        if not secrets.compare_digest(_digest(key), s.key):
-            raise WireError(401, "invalid API key for this session", "authentication_error")
+        _require(secrets.compare_digest(_digest(key), s.key), "invalid API key for this session", 401,
+                 "authentication_error")
         return s
 
     async def read_json(self, request) -> dict:
@@ -2422,8 +2437,7 @@ class LoopbackServer:
         except (ValueError, RecursionError):
             raise WireError(400, "request body is not valid JSON") from None
         _require(isinstance(body, dict), "request body must be a JSON object")
-        problem = json_problem(body)
-        _require(problem is None, problem or "")
+        _require((problem := json_problem(body)) is None, problem or "")
         _string(body.get("model"), "model")
         return body
 
@@ -2471,9 +2485,9 @@ class LoopbackServer:
             return {"top_p": 1.0, "top_k": -1}[key] if v is None or (key == "top_k" and v <= 0) else v
         for key in ("top_p", "top_k"):
             asked, run = turn.sampling.get(key), s.ep.sampling.get(key)
-            if asked is not None and s.ep.sampling and value(key, asked) != value(key, run):
-                raise WireError(400, f"'{key}' must be this run's ({value(key, run)}): the trainer could not "
-                                     "correct the log-probs of tokens sampled with another")
+            _require(asked is None or not s.ep.sampling or value(key, asked) == value(key, run), f"'{key}' must be "
+                     f"this run's ({value(key, run)}): the trainer could not correct the log-probs of tokens sampled "
+                     "with another")
 
     # -- one turn: token-exact accumulation over the session ----------------------------------------------------
     async def turn(self, s: Session, turn: Turn) -> list[Reply]:
@@ -2496,8 +2510,7 @@ class LoopbackServer:
                  f"length {self.cfg.data.max_len}")
         sampling = {**s.ep.sampling, **{k: v for k, v in turn.sampling.items() if v is not None},
                     "n": turn.n, "logprobs": turn.top_logprobs or 0}
-        forced = self.forced_call(turn)
-        if forced:
+        if forced := self.parser.forced(turn):
             _require(not sampling.get("structured_outputs"), "'tool_choice' and 'response_format' cannot be combined")
             sampling["structured_outputs"] = forced
         request = EngineRequest(context, ((seg.images if seg else []) + new_images) or None,
@@ -2508,7 +2521,7 @@ class LoopbackServer:
         """(text to tokenize, its images, the segment it extends). The segment is the one whose reply the request
         repeats exactly (earlier messages equal, then that reply unedited, then new messages, and the template
         renders the old part unchanged); otherwise None, and the whole conversation opens a new segment."""
-        msgs, tools = turn.messages, self.shown_tools(turn)
+        msgs, tools = turn.messages, turn.shown_tools
         full, n = self.codec.render(msgs, tools, **turn.template), len(s.last_messages or [])
         if len(msgs) <= n + 1 or msgs[:n] != s.last_messages or msgs[n]["role"] != "assistant":
             return full, images, None
@@ -2532,26 +2545,6 @@ class LoopbackServer:
         end = text.find(suffix, text.find(SENTINEL)) if SENTINEL in text else -1
         return None if end < 0 else text[end + len(suffix):]
 
-    def shown_tools(self, turn: Turn) -> list | None:
-        return None if turn.tool_choice == "none" else turn.tools
-
-    def forced_call(self, turn: Turn) -> dict | None:
-        """tool_choice required / a named tool: vLLM's structured outputs for exactly one call of one of the (or the)
-        tools, in this model's own call format (its parser's structural tag, tightened by strict_tag), the arguments
-        held to the tool's schema as compact JSON. Guided from the first token: a reasoning model writes no reasoning
-        first (vLLM's server guides only once reasoning ends, which a policy early in RL may never do: no call)."""
-        if turn.tool_choice in ("auto", "none"):
-            return None
-        _require(self.tool_parser != "none", "this model has no tool-call parser (--server.tool-parser): "
-                 "tool_choice cannot force a call")
-        try:
-            guided = self.reply_parser(turn).adjust_request(vllm_request(turn)).structured_outputs
-            _require(guided is not None and guided.structural_tag,
-                     f"vLLM's {self.tool_parser} parser cannot force a tool call")
-            return {"structural_tag": json.dumps(strict_tag(json.loads(guided.structural_tag), self.added))}
-        except (RuntimeError, ValueError) as err:  # xgrammar refuses the tool's schema
-            raise WireError(400, f"tool_choice: the tool's schema cannot guide a call ({str(err).strip()[:300]})")
-
     def record(self, s: Session, turn: Turn, prep: Prepared, completions: list[Completion]) -> list[Reply]:
         """Append each completion to its segment. One choice extends the segment it continues (or opens one); with
         n > 1 every choice opens its own, the conversation so far as context, so no earlier token trains twice."""
@@ -2570,32 +2563,15 @@ class LoopbackServer:
         return [reply for reply, _ in choices]
 
     def reply(self, c: Completion, turn: Turn, prompt_tokens: int) -> Reply:
-        parse = self.parses(turn)
+        parse = self.parser.active(turn)
         raw = self.codec.raw_decode(c.ids) if parse else self.codec.decode(c.ids)
         stop = c.stop_reason if isinstance(c.stop_reason, str) and c.stop_reason in raw else None
         raw = raw[:raw.index(stop)] if stop else raw  # the matched stop string stays in the tokens, not the text
-        reasoning, text, calls = self.parse(raw, c.ids, turn) if parse else ("", raw, [])
+        reasoning, text, calls = self.parser.parse(raw, c.ids, turn) if parse else ("", raw, [])
         finish = "tool_calls" if calls else ("length" if c.finish_reason == "length" else "stop")
         return Reply(id="chatcmpl-" + uuid.uuid4().hex[:24], text=text, calls=calls, finish=finish, ids=c.ids,
-                     reasoning=reasoning,
-                     prompt_tokens=prompt_tokens, stop=stop,
+                     reasoning=reasoning, prompt_tokens=prompt_tokens, stop=stop,
                      logprobs=None if turn.top_logprobs is None else self.logprob_entries(c))
-
-    def parses(self, turn: Turn) -> bool:
-        """Whether the turn's reply goes through vLLM's parser: the model has a reasoning parser, or tools are offered
-        and it has a tool-call parser."""
-        return self.reasoning_parser != "none" or (self.tool_parser != "none" and bool(self.shown_tools(turn)))
-
-    def reply_parser(self, turn: Turn):
-        """A parser for one reply (it keeps streaming state); the chat-template variables say whether the model thinks
-        (Qwen3's enable_thinking), as in vLLM's server."""
-        return self.parser(self.tokenizer, self.shown_tools(turn), chat_template_kwargs=turn.template)
-
-    def parse(self, raw: str, ids: list[int], turn: Turn) -> tuple[str, str, list[dict]]:
-        """(reasoning, text, calls) of a whole reply through vLLM's parser for this model."""
-        reasoning, content, calls = self.reply_parser(turn).parse(raw, vllm_request(turn), True, ids)
-        return reasoning or "", content or "", [{"id": f"call_{uuid.uuid4().hex[:24]}", "name": c.name,
-                                                 "arguments": c.arguments} for c in calls or []]
 
     def logprob_entries(self, c: Completion) -> list[dict]:
         """OpenAI's logprobs.content: each sampled token with its log-prob (the engine's, at the sampling
@@ -2618,9 +2594,8 @@ class LoopbackServer:
         await resp.prepare(request)
         events = wire.events(model, len(prep.request.ids), turn.usage_in_stream)
         await send_events(resp, events.head())
-        parse = self.parses(turn)
-        text = TextStream(self.codec, prep.request.sampling.get("stop") or [], parse and self.reply_parser(turn),
-                          parse and vllm_request(turn), prep.request.ids)
+        text = TextStream(self.codec, prep.request.sampling.get("stop") or [], self.parser.active(turn) and
+                          self.parser.for_turn(turn), vllm_request(turn), prep.request.ids)
         try:
             while not isinstance(item, Completion):
                 await send_events(resp, events.text(*text.push(item["ids"])))
@@ -2668,8 +2643,7 @@ async def wire_errors(sessions: dict, request, handler):
 
 def count_error(s: "Session | None", status: int):
     if s is not None:
-        key = "server/5xx" if status >= 500 else "server/4xx"
-        s.errors[key] += 1
+        s.errors["server/5xx" if status >= 500 else "server/4xx"] += 1
 
 
 def openai_error(err: WireError) -> dict:
@@ -2680,22 +2654,27 @@ def anthropic_error(err: WireError) -> dict:
     return {"type": "error", "error": {"type": err.kind, "message": str(err)}}
 
 
+def openai_call(c: dict) -> dict:
+    return {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+
+
+def openai_usage(prompt: int, completion: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 def openai_message(r: Reply) -> dict:
-    msg = {"role": "assistant", "content": r.text if (r.text or not (r.calls or r.reasoning)) else None,
-           **({"reasoning": r.reasoning, "reasoning_content": r.reasoning} if r.reasoning else {})}
-    if r.calls:
-        msg["tool_calls"] = [{"id": c["id"], "type": "function",
-                              "function": {"name": c["name"], "arguments": c["arguments"]}} for c in r.calls]
-    return msg
+    return {"role": "assistant", "content": r.text if (r.text or not (r.calls or r.reasoning)) else None,
+            **({"reasoning": r.reasoning, "reasoning_content": r.reasoning} if r.reasoning else {}),
+            **({"tool_calls": [openai_call(c) for c in r.calls]} if r.calls else {})}
 
 
 def openai_reply(replies: list[Reply], model: str) -> dict:
-    r, out = replies[0], sum(len(x.ids) for x in replies)
+    r = replies[0]
     return {"id": r.id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": i, "message": openai_message(x), "finish_reason": x.finish,
                          "logprobs": None if x.logprobs is None else {"content": x.logprobs}}
                         for i, x in enumerate(replies)],
-            "usage": {"prompt_tokens": r.prompt_tokens, "completion_tokens": out, "total_tokens": r.prompt_tokens + out}}
+            "usage": openai_usage(r.prompt_tokens, sum(len(x.ids) for x in replies))}
 
 
 def anthropic_stop(r: Reply) -> str:
@@ -2725,6 +2704,11 @@ def anthropic_reply(replies: list[Reply], model: str) -> dict:
             "usage": {"input_tokens": r.prompt_tokens, "output_tokens": len(r.ids)}}
 
 
+def _event(name: str, **data) -> tuple[str, dict]:
+    """An Anthropic server-sent event: its name, and its data, which repeats the name as its type."""
+    return name, {"type": name, **data}
+
+
 async def send_events(resp, events: list):
     """Write (event name or None, data) pairs as server-sent events."""
     for name, data in events:
@@ -2750,16 +2734,9 @@ class OpenAIEvents:
             ([self.chunk({"content": piece})] if piece else [])
 
     def tail(self, r: Reply):
-        out = [self.chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
-                                           "function": {"name": c["name"], "arguments": c["arguments"]}}]})
-               for i, c in enumerate(r.calls)]
-        out.append(self.chunk({}, r.finish))
-        if self.usage:
-            n = len(r.ids)
-            out.append((None, {**self.base, "choices": [], "usage": {"prompt_tokens": self.prompt_tokens,
-                                                                      "completion_tokens": n,
-                                                                      "total_tokens": self.prompt_tokens + n}}))
-        return out + [(None, "[DONE]")]
+        out = [self.chunk({"tool_calls": [{"index": i, **openai_call(c)}]}) for i, c in enumerate(r.calls)]
+        usage = {**self.base, "choices": [], "usage": openai_usage(self.prompt_tokens, len(r.ids))}
+        return out + [self.chunk({}, r.finish)] + ([(None, usage)] if self.usage else []) + [(None, "[DONE]")]
 
     def error(self, message: str):
         return [(None, {"error": {"message": message, "type": "api_error", "param": None, "code": None}})]
@@ -2777,7 +2754,7 @@ class AnthropicEvents:
         message = {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                    "stop_reason": None, "stop_sequence": None,
                    "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}
-        return [("message_start", {"type": "message_start", "message": message})]
+        return [_event("message_start", message=message)]
 
     def text(self, reasoning: str, piece: str):
         return self.delta("thinking", reasoning) + self.delta("text", piece)
@@ -2787,22 +2764,19 @@ class AnthropicEvents:
         if not piece:
             return []
         out = [] if self.open == kind else self.close() + self.start(kind)
-        return out + [("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                               "delta": {"type": f"{kind}_delta", kind: piece}})]
+        return out + [_event("content_block_delta", index=self.index, delta={"type": f"{kind}_delta", kind: piece})]
 
     def start(self, kind: str, block: dict | None = None):
         self.open, self.index = kind, self.index + 1
         block = block or {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})}
-        return [("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})]
+        return [_event("content_block_start", index=self.index, content_block=block)]
 
     def close(self):
         """The open block's end (a thinking block's signature first, as Anthropic's API sends it)."""
         if self.open is None:
             return []
-        sign = [("content_block_delta", {"type": "content_block_delta", "index": self.index,
-                                         "delta": {"type": "signature_delta", "signature": ""}})]
-        out = (sign if self.open == "thinking" else []) + [
-            ("content_block_stop", {"type": "content_block_stop", "index": self.index})]
+        sign = [_event("content_block_delta", index=self.index, delta={"type": "signature_delta", "signature": ""})]
+        out = (sign if self.open == "thinking" else []) + [_event("content_block_stop", index=self.index)]
         self.open = None
         return out
 
@@ -2810,16 +2784,14 @@ class AnthropicEvents:
         out = self.start("text") if self.index < 0 and not r.calls else []  # an empty reply has its text block
         out += self.close()
         for block in (b for b in _anthropic_blocks(r) if b["type"] == "tool_use"):
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block["input"])}
             out += self.start("tool_use", {**block, "input": {}}) + [
-                ("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": {
-                    "type": "input_json_delta", "partial_json": json.dumps(block["input"])}})] + self.close()
-        return out + [("message_delta", {"type": "message_delta",
-                                         "delta": {"stop_reason": anthropic_stop(r), "stop_sequence": r.stop},
-                                         "usage": {"output_tokens": len(r.ids)}}),
-                      ("message_stop", {"type": "message_stop"})]
+                _event("content_block_delta", index=self.index, delta=delta)] + self.close()
+        return out + [_event("message_delta", delta={"stop_reason": anthropic_stop(r), "stop_sequence": r.stop},
+                             usage={"output_tokens": len(r.ids)}), _event("message_stop")]
 
     def error(self, message: str):
-        return [("error", {"type": "error", "error": {"type": "api_error", "message": message}})]
+        return [_event("error", error={"type": "api_error", "message": message})]
 
 
 @dataclass(frozen=True)
@@ -2896,7 +2868,7 @@ class AgentPool:
     def ping(self) -> str:
         """Answers once the constructor ran (an agent module that fails to import fails the launch, clearly): the
         loopback server's parsers (tool calls, reasoning)."""
-        return f"tool calls {self.server.tool_parser}, reasoning {self.server.reasoning_parser}"
+        return f"tool calls {self.server.parser.tool}, reasoning {self.server.parser.reasoning}"
 
     async def sample_turn(self, sample: Sample, sampling: dict) -> Completion | None:
         """Sample one action after sample.tokens and append it; None when the context budget is spent."""
@@ -4973,10 +4945,10 @@ def check_template(cfg: Config) -> int:
     Non-zero when a reply does not parse back, or when a turn needs a new segment in the chosen mode."""
     codec = Codec(resolve_model(cfg.model), cfg.chat_template)
     server = LoopbackServer(cfg, codec, None)
-    tools = [CHECK_TOOL] if server.tool_parser != "none" else None
-    script = _openai_messages([{k: v for k, v in m.items() if (k != "reasoning" or server.reasoning_parser != "none")
+    tools = [CHECK_TOOL] if server.parser.tool != "none" else None
+    script = _openai_messages([{k: v for k, v in m.items() if (k != "reasoning" or server.parser.reasoning != "none")
                                 and (tools or k != "tool_calls")} for m in CHECK_SCRIPT if tools or m["role"] != "tool"])
-    print(f"check-template {cfg.model}: tool calls {server.tool_parser}, reasoning {server.reasoning_parser}")
+    print(f"check-template {cfg.model}: tool calls {server.parser.tool}, reasoning {server.parser.reasoning}")
     failed, segments, chosen = False, {"template": 1, "append": 1}, cfg.server.history
     turns = [i for i, m in enumerate(script) if m["role"] == "assistant"]
     for i, j in zip(turns, turns[1:] + [None]):

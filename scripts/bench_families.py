@@ -105,7 +105,7 @@ def parse_us(pool, replies):
     for ids in replies:
         raw = server.codec.raw_decode(ids)
         t = time.perf_counter()
-        server.parse(raw, ids, turn)
+        server.parser.parse(raw, ids, turn)
         ours.append(time.perf_counter() - t)
         t = time.perf_counter()
         molt.parse_tool_calls(server.codec.decode(ids))
@@ -120,8 +120,8 @@ async def family(name, args):
     off = pool_for(path, engines, tool_parser="none", reasoning_parser="none")
     for p in [*pools.values(), off]:
         await p.server.start()
-    row = {"family": name, "parsers": f"{pools['template'].server.tool_parser} + "
-                                      f"{pools['template'].server.reasoning_parser}"}
+    parser = pools["template"].server.parser
+    row = {"family": name, "parsers": f"{parser.tool} + {parser.reasoning}"}
     row["forced_openai"], row["forced_anthropic"] = await forced_calls(pools["template"], args.calls)
     for mode, pool in pools.items():
         runs = [await tool_episode(pool) for _ in range(args.episodes)]

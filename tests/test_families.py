@@ -302,8 +302,8 @@ def test_each_family_answers_like_vllm_serve_with_the_same_parsers(family, tmp_p
     turn, streamed and not. Every difference is listed in FAMILY_DIFFERENCES with its reason."""
     from test_conformance import answers, serve
     name, path, engine = family
-    tool, reasoning, _ = molt.reply_parser(molt.ServerConfig(), molt.Codec(path).tokenizer,
-                                           molt.Codec(path).tokenizer.chat_template)
+    parsers = molt.ReplyParser(molt.ServerConfig(), molt.Codec(path).tokenizer)
+    tool, reasoning = parsers.tool, parsers.reasoning
     flags = ["--tool-call-parser", tool] + (["--reasoning-parser", reasoning] if reasoning != "none" else [])
     for url in serve(path, tmp_path_factory, *flags):
         res = {wire: run(answers(engine, path, url, wire, reqs)) for wire, reqs in family_requests().items()}

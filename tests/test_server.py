@@ -399,7 +399,7 @@ def test_streamed_deltas_concatenate_to_the_plain_reply(tool, reasoning, stops):
     tok = byte_level_tokenizer()
     tok.add_tokens(["<tool_call>", "</tool_call>", "<think>", "</think>"])
     codec, rng = FakeCodec(tok), random.Random(0)
-    *_, parser = molt.reply_parser(molt.ServerConfig(tool_parser=tool, reasoning_parser=reasoning), tok, "")
+    parser = molt.ReplyParser(molt.ServerConfig(tool_parser=tool, reasoning_parser=reasoning), tok).cls
     tools = None if tool == "none" else [WEATHER]
     request = molt.vllm_request(molt.Turn(messages=HELLO, tools=tools, stream=True, usage_in_stream=False,
                                           sampling={}))
