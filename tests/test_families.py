@@ -1,5 +1,5 @@
 """Real model families (sections 6 and 7): tiny random models on the real tokenizers and chat templates of Qwen3,
-Llama 3.1 and DeepSeek-V3 (tiny:FAMILY), served by real engines, spoken to by the stock SDKs."""
+Llama 3.1, DeepSeek-V3 and Mistral (tekken v13) (tiny:FAMILY), served by real engines, spoken to by the stock SDKs."""
 import json
 
 import pytest
@@ -8,7 +8,7 @@ import molt
 from conftest import _engine, run
 from test_server import CITY, TOOL, WEATHER, Server, trainer_logprobs
 
-FAMILIES = ["qwen3", "llama3.1", "deepseek-v3"]
+FAMILIES = ["qwen3", "llama3.1", "deepseek-v3", "mistral"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -24,15 +24,17 @@ def test_the_family_model_carries_its_real_tokenizer_and_template(family):
     codec = molt.Codec(path)
     assert len(codec.tokenizer) > 100_000  # a real vocabulary, not the tiny one's ~120 ids
     rendered = codec.render([{"role": "user", "content": "hi"}])
-    marker = {"qwen3": "<|im_start|>user", "llama3.1": "<|start_header_id|>user", "deepseek-v3": "<｜User｜>"}[name]
+    marker = {"qwen3": "<|im_start|>user", "llama3.1": "<|start_header_id|>user", "deepseek-v3": "<｜User｜>",
+              "mistral": "[INST]hi[/INST]"}[name]
     assert marker in rendered
-    assert codec.string_content  # each of these templates reads content as one string
+    assert codec.string_content == (name != "mistral")  # Mistral's template reads content as a list of chunks
 
 
 def test_content_blocks_reach_a_string_template_as_text(family):
     """Both wires' list content (OpenAI parts, Anthropic blocks and a tool_result's block list) reaches a template
-    that concatenates content as strings, joined by newlines as vLLM joins them. Was: a 500 (TypeError: can only
-    concatenate str (not "list") to str) as soon as a history carried content blocks."""
+    that concatenates content as strings, joined by newlines as vLLM joins them (Mistral's template takes the list of
+    chunks itself, and joins them with a blank line). Was: a 500 (TypeError: can only concatenate str (not "list") to
+    str) as soon as a history carried content blocks."""
     name, path, engine = family
 
     async def main():
@@ -49,7 +51,8 @@ def test_content_blocks_reach_a_string_template_as_text(family):
     a, o, status, body, prompts = run(main())
     assert a.type == "message" and o.choices[0].message.role == "assistant"
     text = [molt.Codec(path).tokenizer.decode(p) for p in prompts]
-    assert "first part\nsecond part" in text[0] and "third\nfourth" in text[1]
+    joint = "\n\n" if name == "mistral" else "\n"
+    assert f"first part{joint}second part" in text[0] and f"third{joint}fourth" in text[1]
     assert status == 400 and body["type"] == "error"  # a text-only model refuses images, in the wire's shape
 
 
@@ -105,8 +108,8 @@ def test_a_template_that_rewrites_an_earlier_turn_opens_a_new_segment_unless_his
     (as the SDK returns it) no longer renders as the sampled tokens plus the new messages. --server.history template:
     a new segment holding exactly what the template renders (never the old tokens cut at the old length). append:
     one segment, the sampled tokens kept and the new messages appended as the template renders them, and the drift
-    report counts the tokens the template would have shown otherwise. Llama 3.1 and DeepSeek-V3 keep the turn (their
-    <think> is plain text): one segment, no template drift, either way."""
+    report counts the tokens the template would have shown otherwise. Llama 3.1, DeepSeek-V3 and Mistral keep the turn
+    (their <think> is plain text): one segment, no template drift, either way."""
     name, path, engine = family
     think = {"temperature": 1.0, "max_tokens": 24, "structured_outputs": {"regex": "<think>\nhm\n</think>\n\nok"}}
 
@@ -139,18 +142,28 @@ def test_a_template_that_rewrites_an_earlier_turn_opens_a_new_segment_unless_his
         assert 0 < changed < 1 and "template" in drift["cause"]
 
 
-def test_reasoning_comes_apart_on_both_wires_streamed_or_not_and_goes_back_to_the_template(family):
-    """A family with a reasoning parser (Qwen3): OpenAI's reasoning_content (and vLLM's reasoning), Anthropic's
-    thinking block, the same when streamed; thinking off (chat_template_kwargs, Anthropic's thinking.disabled)
-    leaves the text whole; reasoning sent back in a tool loop reaches the template (Qwen3 renders it there)."""
-    name, path, engine = family
-    if name != "qwen3":
+THINK = {"qwen3": ("<think>", "</think>"), "mistral": ("[THINK]", "[/THINK]")}  # the families that reason
+
+
+def thinking(name: str, path: str) -> dict:
+    """Sampling settings under which the model writes a reasoning block "hm", then "ok", its markers as the family's
+    own tokens (as a reasoning model samples them)."""
+    if name not in THINK:
         pytest.skip("no reasoning parser for this family")
-    ids = molt.Codec(path).tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    ids = molt.Codec(path).tokenizer.convert_tokens_to_ids(list(THINK[name]))
     pieces = [{"type": "token", "token": ids[0]}, {"type": "const_string", "value": "\nhm\n"},
               {"type": "token", "token": ids[1]}, {"type": "const_string", "value": "\n\nok"}]
-    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": pieces}}  # the markers as the tokens
-    think = {"temperature": 1.0, "max_tokens": 24, "structured_outputs": {"structural_tag": json.dumps(tag)}}
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": pieces}}
+    return {"temperature": 1.0, "max_tokens": 24, "structured_outputs": {"structural_tag": json.dumps(tag)}}
+
+
+def test_reasoning_comes_apart_on_both_wires_streamed_or_not_and_goes_back_to_the_template(family):
+    """A family with a reasoning parser (Qwen3, Mistral): OpenAI's reasoning_content (and vLLM's reasoning),
+    Anthropic's thinking block, the same when streamed; reasoning sent back in a tool loop reaches the template (both
+    render it there). Thinking off (chat_template_kwargs, Anthropic's thinking.disabled) leaves Qwen3's text whole;
+    Mistral's reasoning is marked by its own tokens whatever the template is told (as in vLLM): still apart."""
+    name, path, engine = family
+    think = thinking(name, path)
 
     async def main():
         async with Server(engine, path, think) as srv:
@@ -175,21 +188,24 @@ def test_reasoning_comes_apart_on_both_wires_streamed_or_not_and_goes_back_to_th
     assert (plain.reasoning_content.strip(), plain.content.strip()) == ("hm", "ok")
     assert plain.model_extra["reasoning"] == plain.reasoning_content  # vLLM's field name too
     assert streamed == [plain.reasoning_content, plain.content]
-    assert "<think>" in off.content and not getattr(off, "reasoning_content", None)
     for content in (blocks, final.content):
         assert [b.type for b in content] == ["thinking", "text"]
         assert (content[0].thinking.strip(), content[1].text.strip()) == ("hm", "ok")
-    assert [b.type for b in a_off.content] == ["text"] and "<think>" in a_off.content[0].text
-    assert "<think>\nhm\n</think>" in molt.Codec(path).tokenizer.decode(prompt)
+    if name == "qwen3":
+        assert "<think>" in off.content and not getattr(off, "reasoning_content", None)
+        assert [b.type for b in a_off.content] == ["text"] and "<think>" in a_off.content[0].text
+    else:
+        assert (off.reasoning_content, off.content) == (plain.reasoning_content, plain.content)
+        assert [b.type for b in a_off.content] == ["thinking", "text"]
+    begin, end = THINK[name]  # the reasoning sent back, as the template renders it
+    assert f"{begin}{blocks[0].thinking}{end}" in molt.Codec(path).tokenizer.decode(prompt)
 
 
 def test_an_edited_reasoning_is_an_edited_reply(family):
     """Reasoning is part of the reply: sent back as returned, the next turn extends the segment (history append, so
     Qwen3's rewriting of earlier reasoning does not interfere); sent back edited, it opens a new one."""
     name, path, engine = family
-    if name != "qwen3":
-        pytest.skip("no reasoning parser for this family")
-    think = {"temperature": 1.0, "max_tokens": 24, "structured_outputs": {"regex": "<think>\nhm\n</think>\n\nok"}}
+    think = thinking(name, path)
 
     async def main():
         async with Server(engine, path, think, **{"server.history": "append"}) as srv:
@@ -208,7 +224,7 @@ def test_an_edited_reasoning_is_an_edited_reply(family):
 def test_check_template_reports_what_the_server_would_do_with_the_familys_template(family):
     """python molt.py check-template: the scripted tool episode turn by turn. Qwen3 (it rewrites the reasoning of a turn
     followed by a new question): a new segment there with --server.history template, one segment with append; Llama
-    3.1: one segment either way; DeepSeek-V3's own template writes a call in history only when its content is null,
+    3.1 and Mistral: one segment either way; DeepSeek-V3's own template writes a call in history only when its content is null,
     which no server sends (vLLM renders a null content as ""): the call vanishes, so the check fails (exit 1)."""
     import subprocess
     import sys
@@ -346,4 +362,8 @@ FAMILY_DIFFERENCES = {
     # vLLM's forced reply holds no call (its JSON never closes)
     "deepseek-v3": {("openai", "tools required", "calls"), ("openai", "message", "+tool_calls"),
                     ("anthropic", "block", "-text")},
+    # vLLM's forced reply holds no call: its mistral parser guides a bare JSON array (the format before tekken v11),
+    # which its own parse does not read back once the vocabulary has [ARGS] (Molt guides [TOOL_CALLS]name[ARGS]{...})
+    "mistral": {("openai", "tools required", "calls"), ("openai", "message", "+tool_calls"),
+                ("anthropic", "block", "-text")},
 }
