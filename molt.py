@@ -5617,9 +5617,9 @@ def mistral_files(root: Path, sha256: str) -> Path:
     tekken = json.loads(raw)
     tekken.pop("image")  # Pixtral's image settings: a text model here
     tekken.update(config={**tekken["config"], "version": "v13"}, special_tokens=specials)
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "tekken.json").write_text(json.dumps(tekken))
-        convert_tekken_tokenizer(str(Path(tmp) / "tekken.json")).save_pretrained(root)
+    (root / "mistral_common").mkdir(parents=True, exist_ok=True)  # the file mistral_common itself reads (the tests'
+    (root / "mistral_common" / "tekken.json").write_text(json.dumps(tekken))  # reference; never a model directory's)
+    convert_tekken_tokenizer(str(root / "mistral_common" / "tekken.json")).save_pretrained(root)
     # transformers warns of an old Mistral pre-tokenizer regex unless the directory says transformers >= 5 wrote it
     config = {"model_type": "llama", "transformers_version": transformers.__version__}
     (root / "config.json").write_text(json.dumps(config))

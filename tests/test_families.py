@@ -30,6 +30,24 @@ def test_the_family_model_carries_its_real_tokenizer_and_template(family):
     assert codec.string_content == (name != "mistral")  # Mistral's template reads content as a list of chunks
 
 
+def test_mistral_renders_token_for_token_as_mistral_commons_own_encoder():
+    """tiny:mistral's tokenizer and template (transformers' conversion of the tekken file, the template mistral_common
+    generates) against mistral_common's encoder of the same tekken file, on a tool episode with reasoning: the codec's
+    ids are exactly the encoder's, at every turn's end."""
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
+    root = molt.family_files("mistral")
+    reference, codec = MistralTokenizer.from_file(str(root / "mistral_common" / "tekken.json")), molt.Codec(str(root))
+    call = {"id": "abcdefghi", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    episode = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris? [INST] x"},
+               {"role": "assistant", "content": "", "reasoning_content": "Use the tool.", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "abcdefghi", "content": "sunny"},
+               {"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "And Rome?"}]
+    for end in (2, 4, 6):
+        want = reference.encode_chat_completion(ChatCompletionRequest.from_openai(episode[:end], tools=[WEATHER])).tokens
+        assert codec.encode(codec.render(episode[:end], [WEATHER]))[0] == want
+
+
 def test_content_blocks_reach_a_string_template_as_text(family):
     """Both wires' list content (OpenAI parts, Anthropic blocks and a tool_result's block list) reaches a template
     that concatenates content as strings, joined by newlines as vLLM joins them (Mistral's template takes the list of
