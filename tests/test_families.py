@@ -271,13 +271,20 @@ def test_check_template_reports_what_the_server_would_do_with_the_familys_templa
 def test_a_tool_agent_trains_two_steps_on_each_family_with_no_server_failure(name, tmp_path):
     """agents/chat_tools.py (a forced calculator call, its result, free turns) for 2 steps on tiny:FAMILY: every
     episode's forced call comes back parsed, the server answers no request with a 5xx, and the engine's log-probs of
-    the trained tokens match the trainer's at step 1 (the forced, guided turns are context)."""
+    the trained tokens match the trainer's at step 1 (the forced, guided turns are context). The viewer shows an
+    episode token by token on the family's vocabulary (headless Chromium)."""
     from test_e2e import metrics, molt as run_molt
-    run_molt("--agent", "agents/chat_tools.py", "--model", f"tiny:{name}", "--steps", 2, "--run-dir", tmp_path / "r")
+    from test_view import check_tokens, dumped, render, view
+    run_molt("--agent", "agents/chat_tools.py", "--model", f"tiny:{name}", "--steps", 2, "--run-dir", tmp_path / "r",
+             "--dump-samples")
     m = metrics(tmp_path / "r")
     assert [x["step"] for x in m] == [1, 2]
     assert all(x["server/5xx"] == 0 and x["tools/forced_parsed"] == 1.0 for x in m)  # every episode's
     assert m[0]["rollout/logprob_gap"] < 1e-3
+    samples = dumped(tmp_path / "r", 2)
+    dom = render(view(tmp_path / "r"), "step=2&sample=0", f"view-{name}")
+    assert dom.rows == len(samples)
+    check_tokens(dom, 0, samples[0])
 
 
 CALLED = [{"role": "user", "content": "Weather in Paris?"},
