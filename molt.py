@@ -1073,6 +1073,7 @@ class EngineActor:
             vllm_cpu_engine_core_by_fork()
             if cfg.engine.enforce_eager:
                 vllm_cpu_no_compile()
+        xgrammar_no_compile_cache()
         self.engine = AsyncLLM.from_engine_args(engine_args(cfg, model_path, index))
         self.resumed = asyncio.Event()
         self.resumed.set()
@@ -1772,11 +1773,13 @@ class ReplyParser:
         _require(self.tool != "none", "this model has no tool-call parser (--server.tool-parser): "
                  "tool_choice cannot force a call")
         try:
-            guided = None if self.tool in CALL_TAGS else self.for_turn(turn).adjust_request(
-                vllm_request(turn)).structured_outputs
-            _require(self.tool in CALL_TAGS or (guided is not None and guided.structural_tag),
-                     f"vLLM's {self.tool} parser cannot force a tool call")
-            tag = call_tag(self.tool, turn) if guided is None else json.loads(guided.structural_tag)
+            if self.tool in CALL_TAGS:  # vLLM 0.32's parser gives no tag for this format
+                tag = call_tag(self.tool, turn)
+            else:
+                guided = self.for_turn(turn).adjust_request(vllm_request(turn)).structured_outputs
+                _require(guided is not None and guided.structural_tag,
+                         f"vLLM's {self.tool} parser cannot force a tool call")
+                tag = json.loads(guided.structural_tag)
             return {"structural_tag": json.dumps(strict_tag(tag, self.added))}
         except (RuntimeError, ValueError) as err:  # xgrammar refuses the tool's schema
             raise WireError(400, f"tool_choice: the tool's schema cannot guide a call ({str(err).strip()[:300]})")
@@ -2157,8 +2160,8 @@ def _openai_content(content, where: str):
             _string(part.get("text"), f"{where}[{j}].text", optional=False)
         elif kind == "image_url":
             url = part.get("image_url")
-            _require(isinstance(url, dict) and isinstance(url.get("url"), str), f"'{where}[{j}].image_url.url' must be "
-                     "a string")
+            _require(isinstance(url, dict) and isinstance(url.get("url"), str),
+                     f"'{where}[{j}].image_url.url' must be a string")
         else:
             _require(False, f"'{where}[{j}].type' must be text or image_url, not {kind!r}")
     return content
@@ -4281,9 +4284,28 @@ def is_moe(hf_config) -> bool:
 
 
 def moe_routers(model) -> list:
-    """The top-k routers of transformers MoE blocks (Qwen2-MoE, Qwen3-MoE, Mixtral families: a linear gate, softmax,
-    top-k, optional renormalisation)."""
+    """The top-k routers of transformers MoE blocks (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss: a linear gate, softmax,
+    top-k, optional renormalisation; and the ones router_forward does not compute, which reproduces() sorts out)."""
     return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter") and hasattr(m, "top_k")]
+
+
+def reproduces(router) -> bool:
+    """Whether router_forward computes what the router's own forward does, on a random probe (not on meta weights,
+    which AutoModel's deferred init may leave: there the class name decides, as before). transformers 5.18 has 30
+    TopKRouter classes; some score experts otherwise (a sigmoid and a correction bias: MiniMax-M2, Step-3; PhiMoE's
+    sparse mixer), and replacing their forward would train another model than the engine serves."""
+    import torch
+    if router.weight.is_meta:
+        return True
+    probe = torch.randn(16, router.weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(router.weight)
+    router.molt_fp32, router.molt_replay, router.molt_target = False, False, None
+    with torch.no_grad():
+        try:
+            own, ours = router.forward(probe), router_forward(router, probe)
+        except TypeError:  # a forward that takes more than the hidden states (MiniMax-M2's correction bias)
+            return False
+    return len(own) == len(ours) and all(a.shape == b.shape and torch.allclose(a.float(), b.float(), atol=1e-5)
+                                         for a, b in zip(own, ours))
 
 
 def automodel_gates(model) -> list:
@@ -4297,8 +4319,9 @@ def router_forward(self, hidden_states):
     its gradient); -1 rows keep the live choice. The live selection is kept in molt_live for metrics and tests."""
     import torch
     import torch.nn.functional as F
-    h = hidden_states.reshape(-1, self.weight.shape[-1])
-    logits = F.linear(h.float(), self.weight.float()) if self.molt_fp32 else F.linear(h, self.weight)
+    h, bias = hidden_states.reshape(-1, self.weight.shape[-1]), getattr(self, "bias", None)  # gpt-oss's have a bias
+    logits = F.linear(h.float(), self.weight.float(), None if bias is None else bias.float()) if self.molt_fp32 else \
+        F.linear(h, self.weight, bias)
     probs = logits.float().softmax(-1)
     top_v, top_i = torch.topk(probs, self.top_k, dim=-1)
     self.molt_live, self.molt_mismatch = top_i.detach(), None
@@ -4323,12 +4346,20 @@ def prepare_moe(model, hf_config, actor: ActorConfig, role: str, replay: bool = 
     would train something other than what was asked. Returns the routers whose selection can be replayed."""
     import torch
     import types
-    routers, gates = moe_routers(model), automodel_gates(model)
+    every, gates = moe_routers(model), automodel_gates(model)
+    routers = [r for r in every if reproduces(r)]
     model._molt_routers = routers
-    if is_moe(hf_config) and not routers and not gates:
+    if is_moe(hf_config) and not every and not gates:
         raise RuntimeError(f"{type(model).__name__} is a mixture of experts whose routers Molt does not know, so "
                            "--actor.fp32-router, --actor.freeze-moe-router and routing replay cannot reach them; "
                            "use --train.backend hf")
+    if len(routers) < len(every):  # they keep their own forward: no fp32 gate, no replay
+        kinds = sorted({type(r).__name__ for r in every if r not in routers})
+        if replay:
+            raise RuntimeError(f"routing replay: Molt's router forward does not compute {', '.join(kinds)} (it "
+                               "scores experts otherwise than a softmax over a linear gate)")
+        print(f"[molt] {', '.join(kinds)}: kept as transformers computes it (no fp32 gate, no routing metrics)",
+              file=sys.stderr)
     for name, module in model.named_modules():
         if module in routers:
             match = re.search(r"layers\.(\d+)\.", name + ".")
@@ -4340,7 +4371,7 @@ def prepare_moe(model, hf_config, actor: ActorConfig, role: str, replay: bool = 
         if actor.fp32_router:
             gate.gate_precision = gate.score_dtype = torch.float32
     if actor.freeze_moe_router and ROLES[role].loss:
-        for module in routers + gates:
+        for module in every + gates:
             for p in module.parameters(recurse=False):
                 p.requires_grad_(False)
     return routers
@@ -5265,6 +5296,16 @@ def vllm_cpu_engine_core_by_fork():
     os.register_at_fork(after_in_child=gc.enable)  # forked inside the actor's start_up, which holds it off
     gc.collect()  # and frozen before the fork, the child's collections neither walk nor copy the imported heap
     gc.freeze()
+
+
+def xgrammar_no_compile_cache():
+    """Assumes vLLM 0.32 with xgrammar 0.2.8, whose grammar compile cache (on by default: VLLM_XGRAMMAR_CACHE_MB=512)
+    gave a structural tag another grammar's token: after forced Mistral calls ([TOOL_CALLS]name[ARGS]{json}, token
+    elements), a tag [THINK] "hm" [/THINK] "ok" was guided to [ARGS] where [/THINK] belonged, in 2 of 2 runs, and to
+    the right token with the cache off (tests/test_families.py's reasoning test after its tool episode). A guided
+    token the grammar does not allow corrupts the trajectory, so each grammar is compiled afresh (unless the user set
+    the variable: theirs wins)."""
+    os.environ.setdefault("VLLM_XGRAMMAR_CACHE_MB", "0")
 
 
 def vllm_cpu_no_compile():

@@ -179,6 +179,39 @@ def test_automodel_gates_get_the_fp32_and_freeze_flags():
     assert not torch.equal(before, expect)  # with the projection in bf16 the weights differ
 
 
+def tiny_moe_family(name: str, **kw):
+    import transformers
+    torch.manual_seed(0)
+    cfg = getattr(transformers, name)(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, bos_token_id=1,
+                                      eos_token_id=2, pad_token_id=0, num_experts_per_tok=2, **kw)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():  # biased routers (gpt-oss), a correction bias (MiniMax-M2): large enough to change choices
+        for name_, p in model.named_parameters():
+            if "router" in name_ or "gate" in name_:
+                p.normal_(0, 2.0)
+    return model
+
+
+@pytest.mark.parametrize("family", ["gpt-oss", "minimax-m2"])
+def test_the_trainer_computes_each_router_as_its_model_does(family):
+    """gpt-oss's routers add a bias to the gate; MiniMax-M2's score experts with a sigmoid and a correction bias.
+    After prepare_moe the model's log-probs are unchanged (Molt's router forward takes the bias; a router it cannot
+    reproduce keeps its own forward, and routing replay is refused on it). Was: both replaced by a softmax over the
+    gate without bias: the trainer computed another model than the one the engine serves."""
+    name, kw = {"gpt-oss": ("GptOssConfig", {"num_local_experts": 4}),
+                "minimax-m2": ("MiniMaxM2Config", {"num_local_experts": 4})}[family]
+    model, (ids, attn) = tiny_moe_family(name, **kw), batch()
+    with torch.no_grad():
+        before = logp_sum(model, ids, attn)
+        routers = molt.prepare_moe(model, model.config, molt.ActorConfig(), "policy", replay=False)
+        assert torch.allclose(logp_sum(model, ids, attn), before, rtol=0, atol=1e-5)
+    assert len(routers) == (2 if family == "gpt-oss" else 0)  # what Molt reproduces, and so can replay
+    if family == "minimax-m2":
+        with pytest.raises(RuntimeError, match="MiniMaxM2TopKRouter"):
+            molt.prepare_moe(tiny_moe_family(name, **kw), model.config, molt.ActorConfig(), "policy", replay=True)
+
+
 def test_a_moe_model_with_unknown_routers_is_refused():
     with pytest.raises(RuntimeError, match="--train.backend hf"):
         molt.prepare_moe(torch.nn.Linear(4, 4), Qwen3MoeConfig(num_experts=4), molt.ActorConfig(), "policy")
