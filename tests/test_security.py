@@ -654,7 +654,7 @@ def conversation(text: str) -> list[dict]:
             {"role": "tool", "tool_call_id": "c1", "content": text}]
 
 
-@pytest.mark.parametrize("family", ["tiny", "qwen3", "llama3.1", "deepseek-v3", "mistral"])
+@pytest.mark.parametrize("family", ["tiny", "qwen3", "llama3.1", "deepseek-v3", "mistral", "gpt-oss"])
 def test_special_token_spellings_in_content_stay_text(family, tiny):
     """Every content field spells the family's own turn structure; the ids hold exactly the special tokens of the same
     conversation with plain text instead, and decode to the rendered text. Was: 4 <|im_start|> where 2 belong."""
