@@ -5305,8 +5305,8 @@ def vllm_cpu_engine_core_by_fork():
 def xgrammar_no_compile_cache():
     """Assumes vLLM 0.32 with xgrammar 0.2.8, whose grammar compile cache (on by default: VLLM_XGRAMMAR_CACHE_MB=512)
     gave a structural tag another grammar's token: after forced Mistral calls ([TOOL_CALLS]name[ARGS]{json}, token
-    elements), a tag [THINK] "hm" [/THINK] "ok" was guided to [ARGS] where [/THINK] belonged, in 2 of 2 runs, and to
-    the right token with the cache off (tests/test_families.py's reasoning test after its tool episode). A guided
+    elements), a tag [THINK] "hm" [/THINK] "ok" was guided to [ARGS] where [/THINK] belonged, in each of 4 runs, and
+    to the right token with the cache off (tests/test_families.py's reasoning test after its tool episode). A guided
     token the grammar does not allow corrupts the trajectory, so each grammar is compiled afresh (unless the user set
     the variable: theirs wins)."""
     os.environ.setdefault("VLLM_XGRAMMAR_CACHE_MB", "0")
