@@ -1528,6 +1528,12 @@ class Codec:
         self.probe_base = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": PROBE}],
                                       generation=False)
         self.turn_suffix = self.probe_base.split(PROBE, 1)[1] if PROBE in self.probe_base else self.tokenizer.eos_token
+        from transformers import GenerationConfig
+        try:  # the ids a reply ends at: generation_config.json's (gpt-oss: <|return|>, <|call|>, <|endoftext|>)
+            eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        except OSError:
+            eos = None
+        self.stop_ids = {self.tokenizer.eos_token_id, *([eos] if isinstance(eos, int) else eos or [])}
 
     def render(self, messages: list[dict], tools=None, generation=True, **template) -> str:
         """The chat template's text; template holds extra template variables (e.g. enable_thinking): those the
@@ -1607,7 +1613,11 @@ class Codec:
 
     def closing(self, tokens: list[int]) -> str:
         """The part of the template's end-of-assistant-turn text the model did not sample itself (e.g. the newline
-        after <|im_end|>, or all of it when the turn hit the token cap)."""
+        after <|im_end|>, or all of it when the turn hit the token cap); none after a stop token the template's end does
+        not begin with (gpt-oss's <|call|>, which its template writes too, and <|return|>, which it writes as <|end|>)."""
+        if tokens and tokens[-1] in self.stop_ids and \
+                not self.turn_suffix.startswith(self.tokenizer.decode(tokens[-1:], skip_special_tokens=False)):
+            return ""
         tail = self.tokenizer.decode(tokens[-len(self.turn_suffix):], skip_special_tokens=False)
         k = next((k for k in range(len(self.turn_suffix), 0, -1) if tail.endswith(self.turn_suffix[:k])), 0)
         return self.turn_suffix[k:]
@@ -1700,14 +1710,22 @@ class TextStream:
 # its vocabulary has; a reasoning parser by a token and a word of its chat template (a template that renders earlier
 # reasoning back: Qwen3's does, the tiny ChatML one only knows enable_thinking). --server.tool-parser and
 # --server.reasoning-parser name others (any of vLLM's), or none.
-TOOL_PARSERS = (("<｜tool▁calls▁begin｜>", "deepseek_v3"), ("<|python_tag|>", "llama3_json"),
-                ("[TOOL_CALLS]", "mistral"), ("<tool_call>", "hermes"))
-REASONING_PARSERS = (("<think>", "reasoning_content", "qwen3"), ("[THINK]", "reasoning_content", "mistral"))
+TOOL_PARSERS = (("<|call|>", "openai"), ("<｜tool▁calls▁begin｜>", "deepseek_v3"),
+                ("<|python_tag|>", "llama3_json"), ("[TOOL_CALLS]", "mistral"), ("<tool_call>", "hermes"))
+REASONING_PARSERS = (("<|channel|>", "analysis", "openai_gptoss"), ("<think>", "reasoning_content", "qwen3"),
+                     ("[THINK]", "reasoning_content", "mistral"))
+HARMONY = ("openai", "openai_gptoss")  # gpt-oss's parsers: vLLM's HarmonyParser reads its channels from token ids
 
 
 # Call formats of the tool-call parsers that give no structural tag for a forced call in vLLM 0.32 (mistral's guides a
 # bare JSON array its own parse does not read back once the vocabulary has [ARGS]): (begin, end) of one call.
-CALL_TAGS = {"mistral": ("[TOOL_CALLS]{name}[ARGS]", "")}
+# gpt-oss's is its own harmony renderer's (a legacy header: what the template writes back), not the parser's tag,
+# which also allows other headers and an analysis first.
+CALL_TAGS = {"mistral": ("[TOOL_CALLS]{name}[ARGS]", ""),
+             "openai": (" to=functions.{name}<|channel|>commentary json<|message|>", "")}
+# gpt-oss ends a call with <|call|>, one of its stop tokens; xgrammar forbids stop tokens inside a grammar and allows
+# any of them once it ends, so a forced call's other stop tokens are biased away (guided tokens train only as context).
+CALL_STOPS_AVOIDED = {"openai": ("<|return|>", "<|endoftext|>")}
 
 
 def call_tag(tool_parser: str, turn: Turn) -> dict:
@@ -1733,10 +1751,6 @@ class ReplyParser:
         from vllm.tokenizers.hf import get_cached_tokenizer  # vLLM 0.32: its parsers read the vocabulary per reply,
         self.tokenizer, vocab = get_cached_tokenizer(tokenizer), tokenizer.get_vocab()  # which its proxy caches
         template = tokenizer.chat_template or ""
-        if "<|call|>" in vocab and "<|channel|>" in vocab:  # gpt-oss's harmony format
-            raise UsageError("gpt-oss (harmony): vLLM's HarmonyParser reads replies from their token ids, and they "
-                             "end at <|call|> as well as <|return|>; Molt wires neither yet, only the chat template "
-                             "(examples/templates/gpt_oss.jinja)")
         self.tool = cfg.tool_parser or next((name for token, name in TOOL_PARSERS if token in vocab), "none")
         self.reasoning = cfg.reasoning_parser or next((name for token, word, name in REASONING_PARSERS
                                                        if token in vocab and word in template), "none")
@@ -1747,6 +1761,7 @@ class ReplyParser:
         self.cls = ParserManager.get_parser(tool_parser_name=None if self.tool == "none" else self.tool,
                                             reasoning_parser_name=None if self.reasoning == "none" else self.reasoning,
                                             enable_auto_tools=True, tokenizer=self.tokenizer,
+                                            is_harmony=bool({self.tool, self.reasoning} & set(HARMONY)),
                                             tool_strict_level="parameter")  # forced arguments fit the schema
         added = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if len(t.content) > 1}
         self.added = re.compile(trie_pattern(list(added)) or "(?!)"), added  # what a forced call's markers must be
@@ -1768,9 +1783,9 @@ class ReplyParser:
                                                  "arguments": c.arguments} for c in calls or []]
 
     def forced(self, turn: Turn) -> dict | None:
-        """tool_choice required / a named tool: vLLM's structured outputs for exactly one call of one of the (or the)
-        tools, in this model's own call format (its parser's structural tag, tightened by strict_tag), the arguments
-        held to the tool's schema as compact JSON. Guided from the first token: a reasoning model writes no reasoning
+        """tool_choice required / a named tool: the sampling settings (vLLM's structured outputs; gpt-oss: a bias) for
+        exactly one call of one of the (or the) tools, in this model's own call format (its parser's structural tag,
+        tightened by strict_tag), the arguments held to the tool's schema as compact JSON. Guided from the first token: a reasoning model writes no reasoning
         first (vLLM's server guides only once reasoning ends, which a policy early in RL may never do: no call)."""
         if turn.tool_choice in ("auto", "none"):
             return None
@@ -1784,7 +1799,9 @@ class ReplyParser:
                 _require(guided is not None and guided.structural_tag,
                          f"vLLM's {self.tool} parser cannot force a tool call")
                 tag = json.loads(guided.structural_tag)
-            return {"structural_tag": json.dumps(strict_tag(tag, self.added))}
+            avoided = {self.added[1][t]: -100 for t in CALL_STOPS_AVOIDED.get(self.tool, ())}
+            return {"structured_outputs": {"structural_tag": json.dumps(strict_tag(tag, self.added))},
+                    **({"logit_bias": avoided} if avoided else {})}
         except (RuntimeError, ValueError) as err:  # xgrammar refuses the tool's schema
             raise WireError(400, f"tool_choice: the tool's schema cannot guide a call ({str(err).strip()[:300]})")
 
@@ -2242,7 +2259,7 @@ def _response_format(fmt) -> dict | None:
 def decode_openai(body: dict) -> Turn:
     """OpenAI chat-completions body -> wire-neutral Turn. Fields with no effect on sampling (user, metadata, store,
     service_tier, parallel_tool_calls, ...) are accepted and ignored, as OpenAI does; reasoning_effort reaches the
-    template as enable_thinking."""
+    template (and as enable_thinking)."""
     refused = sorted(REFUSED & set(body)) + [k for k in ("frequency_penalty", "presence_penalty") if body.get(k)]
     _require(not refused, f"{', '.join(refused)} would change the sampling distribution behind the trainer's "
              "back: not supported")
@@ -2254,8 +2271,8 @@ def decode_openai(body: dict) -> Turn:
     template = _object(body.get("chat_template_kwargs"), "chat_template_kwargs")
     clash = sorted(TEMPLATE_RESERVED & set(template))
     _require(not clash, f"chat_template_kwargs may not set {', '.join(clash)}: the server renders the template")
-    if body.get("reasoning_effort") is not None:  # as vLLM: an effort of none turns thinking off where it can be
-        template = {"enable_thinking": body["reasoning_effort"] != "none", **template}
+    if (effort := body.get("reasoning_effort")) is not None:  # as vLLM: the template's reasoning_effort (gpt-oss's),
+        template = {"reasoning_effort": effort, "enable_thinking": effort != "none", **template}  # none: no thinking
     return Turn(messages=messages, tools=tools, stream=bool(body.get("stream")), n=n,
                 usage_in_stream=bool(stream_options.get("include_usage")),
                 tool_choice=_tool_choice(body.get("tool_choice"), tools),
@@ -2330,7 +2347,7 @@ def _anthropic_tool_choice(choice, tools):
 
 def decode_anthropic(body: dict) -> Turn:
     """Anthropic messages body -> wire-neutral Turn (metadata, service_tier and other fields with no effect on
-    sampling are ignored; thinking reaches the chat template as enable_thinking)."""
+    sampling are ignored; thinking reaches the template as enable_thinking, disabled also as reasoning_effort low)."""
     _require(isinstance(body.get("messages"), list) and body["messages"], "'messages' must be a non-empty list")
     _require(_number(body, "max_tokens", 1, 1 << 30, True) is not None, "'max_tokens' is required")
     system = body.get("system")
@@ -2345,7 +2362,8 @@ def decode_anthropic(body: dict) -> Turn:
              "'thinking.type' must be enabled or disabled")
     return Turn(messages=msgs, tools=tools, stream=bool(body.get("stream")), usage_in_stream=True,
                 tool_choice=_anthropic_tool_choice(body.get("tool_choice"), tools),
-                template={"enable_thinking": thinking["type"] == "enabled"} if thinking else {},
+                template=({"enable_thinking": thinking["type"] == "enabled"} |  # disabled: gpt-oss's least, as vLLM
+                          ({"reasoning_effort": "low"} if thinking["type"] == "disabled" else {})) if thinking else {},
                 sampling={**sampling_fields(body, ANTHROPIC_SAMPLING),
                           "stop": _stops(body.get("stop_sequences"), "stop_sequences", one=False)})
 
@@ -2538,22 +2556,23 @@ class LoopbackServer:
                     "n": turn.n, "logprobs": turn.top_logprobs or 0}
         if forced := self.parser.forced(turn):
             _require(not sampling.get("structured_outputs"), "'tool_choice' and 'response_format' cannot be combined")
-            sampling["structured_outputs"] = forced
+            sampling.update(forced)
         request = EngineRequest(context, ((seg.images if seg else []) + new_images) or None,
                                 turn_sampling(self.cfg, sampling, len(context)))
         return Prepared(ids, new_images, mm, seg, request)
 
     def new_context(self, s: Session, turn: Turn, images: list):
-        """(text to tokenize, its images, the segment it extends). The segment is the one whose reply the request
-        repeats exactly (earlier messages equal, then that reply unedited, then new messages, and the template
-        renders the old part unchanged); otherwise None, and the whole conversation opens a new segment."""
+        """(text to tokenize, its images, the segment it extends): the one whose reply the request repeats exactly
+        (earlier messages equal, that reply unedited, new messages; the template renders the old part, reply included,
+        as before: gpt-oss's drops an answered turn's analysis), else None: the conversation opens a new segment."""
         msgs, tools = turn.messages, turn.shown_tools
         full, n = self.codec.render(msgs, tools, **turn.template), len(s.last_messages or [])
         if len(msgs) <= n + 1 or msgs[:n] != s.last_messages or msgs[n]["role"] != "assistant":
             return full, images, None
         seg = next((seg for reply, seg in s.choices if canonical(msgs[n]) == canonical(reply_message(reply))), None)
         prefix, new = self.codec.render(msgs[:n + 1], tools, generation=False, **turn.template), None
-        if seg is not None and full.startswith(prefix):
+        before = self.codec.render(msgs[:n], tools, **turn.template)  # the reply's prompt, as rendered now
+        if seg is not None and full.startswith(prefix) and prefix.startswith(before):
             new = full[len(prefix):]
         elif seg is not None and self.cfg.server.history == "append":  # the template rewrote an earlier turn
             new = self.appended(msgs, n, tools, turn.template)
@@ -2641,10 +2660,8 @@ def refusal(err: Exception) -> WireError | None:
     compiler rejects; matched by name so the pool need not import vLLM). Ray wraps an actor's error: its cause
     decides."""
     cause = getattr(err, "cause", None) or err
-    names = {c.__name__ for c in type(cause).__mro__}
-    if names & {"ValueError", "TemplateError", "VLLMClientError"}:
-        return WireError(400, f"request refused: {str(cause)[:500]}")
-    return None
+    refused = {c.__name__ for c in type(cause).__mro__} & {"ValueError", "TemplateError", "VLLMClientError"}
+    return WireError(400, f"request refused: {str(cause)[:500]}") if refused else None
 
 
 async def wire_errors(sessions: dict, request, handler):
@@ -4002,6 +4019,7 @@ def build_hf(cfg: Config, path: str, role: str, vlm: bool, hf_config, world: int
     weights; on CUDA the forward computes in bf16 with fp32 gradient reduction. One rank on CPU needs no sharding:
     the model stays plain (FSDP's per-layer all-gathers would only cost time)."""
     import torch
+    import transformers
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForTokenClassification
     if ROLES[role].value:
@@ -4009,6 +4027,8 @@ def build_hf(cfg: Config, path: str, role: str, vlm: bool, hf_config, world: int
     else:
         # packed rows need flash attention's varlen kernels on CUDA (check_launch); CPU tests pack through SDPA
         attn = "flash_attention_2" if cuda and cfg.train.pack_samples else "sdpa"
+        arch = getattr(transformers, (hf_config.architectures or ["?"])[0], None)  # gpt-oss's attention sinks: eager
+        attn = "eager" if attn == "sdpa" and not getattr(arch, "_supports_sdpa", True) else attn
         model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_pretrained(
             path, dtype=torch.float32, attn_implementation=attn)
     prepare_moe(model, hf_config, cfg.actor, role, cfg.train.routing_replay)  # before FSDP wraps the routers
@@ -5026,15 +5046,20 @@ def check_reply(server: "LoopbackServer", script: list, i: int, tools) -> tuple:
     """(Reply, sampled ids, problem or None) for assistant message i written as the template writes it."""
     codec, turn = server.codec, Turn(messages=script[:i], tools=tools, stream=False, usage_in_stream=False, sampling={})
     prompt, done = codec.render(script[:i], tools), codec.render(script[:i + 1], tools, generation=False)
-    if not done.startswith(prompt):
-        return None, None, "the template does not write the reply after its generation prompt"
-    body = done[len(prompt):].removesuffix(codec.turn_suffix)
-    ids = codec.tokenizer(body, add_special_tokens=False)["input_ids"] + [codec.tokenizer.eos_token_id]
+    after = prompt
+    if not done.startswith(prompt):  # it rewrites earlier turns at this reply (gpt-oss's drops an answered turn's
+        lone = [{"role": "user", "content": "x"}, script[i]]  # analysis): the reply as it writes it after one question
+        after, done = codec.render(lone[:1], tools), codec.render(lone, tools, generation=False)
+        if not done.startswith(after):
+            return None, None, "the template does not write the reply after its generation prompt"
+    body = done[len(after):].removesuffix(codec.turn_suffix)
+    ids = codec.tokenizer(body, add_special_tokens=False)["input_ids"]
+    ids += [] if ids and ids[-1] in codec.stop_ids else [codec.tokenizer.eos_token_id]  # (gpt-oss's call: <|call|>)
     reply = server.reply(Completion(ids=ids, finish_reason="stop"), turn, len(prompt))
     got, want = canonical(reply_message(reply)), canonical(script[i])  # (text, calls, reasoning); \n\n after </think>
     names = ("text", "tool calls", "reasoning")
     problem = "; ".join(f"{n} {g!r} != {w!r}" for n, g, w in zip(names, got, want) if g != w and
-                        not (isinstance(g, str) and g.strip() == w.strip()))
+                        not (isinstance(g, str) and g.strip() == w.strip()) and (n != "reasoning" or w in body))
     return reply, codec.encode(prompt)[0] + ids, (f"parsed back as {problem}" if problem else None)
 
 
@@ -5604,7 +5629,11 @@ FAMILIES = {
                     "Bc7IzlrCh5i8DY8HTNx7eWgW5c+h2TACiG/mzFrB3B8h+7Seylo4Z/JMNrI48g+uMfVEdaiE0nykgBSCJARu7Q==",
                     "LlamaConfig"),
     "gpt-oss": ("gptoss", "FmB+IOMPn+K4xNOti1sugivIbWpi1Ewm9aeOq0TsBh1NOhcnbkp2kHyEkL3n6ts8KnICxy68siggPOwTaWqPMg==",
-                "Qwen3Config")}
+                "GptOssConfig")}
+# What a body needs beyond the common sizes: gpt-oss's own (4 experts, a sliding window shorter than the tests'
+# contexts, untied head) and its stop tokens as its generation_config.json lists them (<|call|> ends a tool call).
+FAMILY_BODY = {"gpt-oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 128,
+                           "tie_word_embeddings": False, "eos_token_id": ["<|return|>", "<|endoftext|>", "<|call|>"]}}
 
 
 # Templates of ours that replace a family package's own: Llama 3's writes no JSON tool calls (vLLM's layout for 3.1's),
@@ -5706,12 +5735,14 @@ def _tiny_family(family: str):
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(family_files(family))
-    body = getattr(transformers, FAMILIES[family][2])
-    cfg = body(vocab_size=-(-len(tok) // 64) * 64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-               num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=4096,
-               eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-               pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-               tie_word_embeddings=True)
+    body, extra = getattr(transformers, FAMILIES[family][2]), dict(FAMILY_BODY.get(family, {}))
+    if "eos_token_id" in extra:
+        extra["eos_token_id"] = tok.convert_tokens_to_ids(extra["eos_token_id"])
+    cfg = body(**{"vocab_size": -(-len(tok) // 64) * 64, "hidden_size": 64, "intermediate_size": 128,
+                  "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
+                  "max_position_embeddings": 4096, "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
+                  "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+                  "tie_word_embeddings": True, **extra})
     return AutoModelForCausalLM.from_config(cfg), tok
 
 

@@ -157,7 +157,7 @@ MUTATIONS = [
      'c = "\\n".join(p["text"] for p in c) if string else c', "c = c",
      [f"{FM}::test_content_blocks_reach_a_string_template_as_text"]),
     ("template-rerender-cut", "token identity: a template that re-renders earlier turns is cut at the old length",
-     "if seg is not None and full.startswith(prefix):", "if seg is not None:",
+     "if seg is not None and full.startswith(prefix) and prefix", "if seg is not None and prefix",
      [f"{FM}::test_a_template_that_rewrites_an_earlier_turn_opens_a_new_segment_unless_history_appends"]),
     ("history-append-ignored", "segments: --server.history append still opens a new segment where the template "
      "rewrites an earlier turn", 'elif seg is not None and self.cfg.server.history == "append":', "elif False:",
@@ -169,7 +169,16 @@ MUTATIONS = [
      "return self.reasoning != \"none\" or (", "return False and (",
      [f"{FM}::test_reasoning_comes_apart_on_both_wires_streamed_or_not_and_goes_back_to_the_template"]),
     ("mistral-forced-format", "families: a forced call on Mistral left to vLLM's parser, which has no tag for it (a 400)",
-     'CALL_TAGS = {"mistral": ("[TOOL_CALLS]{name}[ARGS]", "")}', "CALL_TAGS = {}",
+     'CALL_TAGS = {"mistral": ("[TOOL_CALLS]{name}[ARGS]", ""),', "CALL_TAGS = {",
+     [f"{FM}::test_a_tool_episode_as_agent_code_for_a_real_model_writes_it"]),
+    ("answered-analysis", "segments: gpt-oss's template drops a call's analysis once the turn is answered, and the "
+     "segment still extends in --server.history template", "prefix.startswith(before)", "True",
+     [f"{FM}::test_check_template_reports_what_the_server_would_do_with_the_familys_template"]),
+    ("gpt-oss-call-header", "families: a forced gpt-oss call left to vLLM's harmony tag (an analysis may come first; "
+     "headers the template does not write back)", '"openai": (" to=functions.{name}<|channel|>commentary json'
+     '<|message|>", "")}', "}", [f"{FM}::test_a_tool_episode_as_agent_code_for_a_real_model_writes_it"]),
+    ("closing-after-stop", "token identity: the template's end of turn (<|end|>) is added after gpt-oss's own "
+     "<|call|>", "if tokens and tokens[-1] in self.stop_ids and", "if False and",
      [f"{FM}::test_a_tool_episode_as_agent_code_for_a_real_model_writes_it"]),
     ("xgrammar-cache", "forward consistency: engines keep xgrammar's compile cache, which guides a token another grammar chose",
      '    os.environ.setdefault("VLLM_XGRAMMAR_CACHE_MB", "0")', "    pass",

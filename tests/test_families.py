@@ -1,5 +1,6 @@
 """Real model families (sections 6 and 7): tiny random models on the real tokenizers and chat templates of Qwen3,
-Llama 3.1, DeepSeek-V3 and Mistral (tekken v13) (tiny:FAMILY), served by real engines, spoken to by the stock SDKs."""
+Llama 3.1, DeepSeek-V3, Mistral (tekken v13) and gpt-oss (harmony) (tiny:FAMILY), served by real engines, spoken to
+by the stock SDKs."""
 import json
 
 import pytest
@@ -8,7 +9,7 @@ import molt
 from conftest import _engine, run
 from test_server import CITY, TOOL, WEATHER, Server, trainer_logprobs
 
-FAMILIES = ["qwen3", "llama3.1", "deepseek-v3", "mistral"]
+FAMILIES = ["qwen3", "llama3.1", "deepseek-v3", "mistral", "gpt-oss"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -25,7 +26,7 @@ def test_the_family_model_carries_its_real_tokenizer_and_template(family):
     assert len(codec.tokenizer) > 100_000  # a real vocabulary, not the tiny one's ~120 ids
     rendered = codec.render([{"role": "user", "content": "hi"}])
     marker = {"qwen3": "<|im_start|>user", "llama3.1": "<|start_header_id|>user", "deepseek-v3": "<｜User｜>",
-              "mistral": "[INST]hi[/INST]"}[name]
+              "mistral": "[INST]hi[/INST]", "gpt-oss": "<|start|>user<|message|>hi<|end|>"}[name]
     assert marker in rendered
     assert codec.string_content == (name != "mistral")  # Mistral's template reads content as a list of chunks
 
@@ -85,11 +86,6 @@ def test_gpt_oss_renders_token_for_token_as_vllms_harmony_renderer():
                                             reasoning_effort=None, with_custom_tools=bool(tools))
         want = h.render_for_completion(preamble + h.parse_chat_inputs_to_harmony_messages(rest))
         assert codec.encode(codec.render(msgs, tools))[0] == want, name
-
-
-def test_gpt_oss_is_refused_at_launch_until_its_replies_are_wired():
-    with pytest.raises(molt.UsageError, match="HarmonyParser"):
-        molt.ReplyParser(molt.ServerConfig(), molt.Codec(str(molt.family_files("gpt-oss"))).tokenizer)
 
 
 def test_content_blocks_reach_a_string_template_as_text(family):
@@ -153,10 +149,15 @@ def test_a_tool_episode_as_agent_code_for_a_real_model_writes_it(family, wire):
     async def main():
         async with Server(engine, path) as srv:
             out = await (openai_episode if wire == "openai" else anthropic_episode)(srv)
-            return out, srv.session.segments
-    (tool, args, finish), segments = run(main())
+            return out, srv.session.segments, srv.pool.router.prompts
+    (tool, args, finish), segments, prompts = run(main())
     assert tool == "get_weather" and args["city"] in ("Paris", "Rome")
     assert finish in ("tool_calls", "tool_use")
+    if name == "gpt-oss":  # the forced call ended at <|call|> (not <|return|>), then the result as its template writes
+        added = molt.Codec(path).tokenizer.decode(prompts[1][len(prompts[0]):], skip_special_tokens=False)
+        assert added.startswith(" to=functions.get_weather<|channel|>commentary json<|message|>{")
+        assert added.endswith("}<|call|><|start|>functions.get_weather<|channel|>commentary to=assistant<|message|>"
+                              "sunny<|end|><|start|>assistant")
     trained = [s for s in segments if any(s.mask)]
     assert trained  # the free replies train
     for seg in trained:
@@ -171,9 +172,12 @@ def test_a_template_that_rewrites_an_earlier_turn_opens_a_new_segment_unless_his
     a new segment holding exactly what the template renders (never the old tokens cut at the old length). append:
     one segment, the sampled tokens kept and the new messages appended as the template renders them, and the drift
     report counts the tokens the template would have shown otherwise. Llama 3.1, DeepSeek-V3 and Mistral keep the turn
-    (their <think> is plain text): one segment, no template drift, either way."""
+    (their <think> is plain text): one segment, no template drift, either way. gpt-oss's template never writes a final
+    answer's own analysis (nor its <|return|>): no earlier turn changes, so one segment either way, the sampled reply
+    kept, and the drift report counts the difference (its rewriting of an earlier turn: the check-template test)."""
     name, path, engine = family
-    think = {"temperature": 1.0, "max_tokens": 24, "structured_outputs": {"regex": "<think>\nhm\n</think>\n\nok"}}
+    think = thinking(name, path) if name == "gpt-oss" else {
+        "temperature": 1.0, "max_tokens": 24, "structured_outputs": {"regex": "<think>\nhm\n</think>\n\nok"}}
 
     async def main():
         async with Server(engine, path, think, **{"server.history": history}) as srv:
@@ -187,6 +191,13 @@ def test_a_template_that_rewrites_an_earlier_turn_opens_a_new_segment_unless_his
     codec = molt.Codec(path)
     rendered = codec.render(msgs)
     changed = drift["metrics"]["drift/tokens_changed_frac"]
+    decode = codec.tokenizer.decode
+    if name == "gpt-oss":
+        assert (msgs[1]["reasoning_content"], msgs[1]["content"]) == ("hm", "ok") and "hm" not in rendered
+        assert len(segments) == 1 and decode(prompts[-1]) == decode(prompts[0]) + REASONED[name] + \
+            "<|return|><|start|>user<|message|>Go<|end|><|start|>assistant"
+        assert 0 < changed < 1 and "template" in drift["cause"]
+        return
     if name != "qwen3":
         assert "<think>" in msgs[1]["content"] and "reasoning_content" not in msgs[1]
         assert len(segments) == 1 and prompts[-1][:len(prompts[0])] == prompts[0]
@@ -197,33 +208,38 @@ def test_a_template_that_rewrites_an_earlier_turn_opens_a_new_segment_unless_his
         assert len(segments) == 2 and prompts[-1] == codec.encode(rendered)[0]
         assert codec.tokenizer.decode(segments[1].tokens).startswith(rendered)
     else:  # the sampled reply (its reasoning included) stays; the new user message follows it
-        decode = codec.tokenizer.decode
         assert len(segments) == 1 and prompts[-1][:len(prompts[0])] == prompts[0]
         assert decode(prompts[-1]) == decode(prompts[0]) + "<think>\nhm\n</think>\n\nok<|im_end|>\n" \
             "<|im_start|>user\nGo<|im_end|>\n<|im_start|>assistant\n"
         assert 0 < changed < 1 and "template" in drift["cause"]
 
 
-THINK = {"qwen3": ("<think>", "</think>"), "mistral": ("[THINK]", "[/THINK]")}  # the families that reason
+# The families that reason: a reply with reasoning "hm" and text "ok" as each writes it, and its reasoning's markers.
+REASONED = {"qwen3": "<think>\nhm\n</think>\n\nok", "mistral": "[THINK]\nhm\n[/THINK]\n\nok",
+            "gpt-oss": "<|channel|>analysis<|message|>hm<|end|><|start|>assistant<|channel|>final<|message|>ok"}
+THINK = {"qwen3": ("<think>", "</think>"), "mistral": ("[THINK]", "[/THINK]"),
+         "gpt-oss": ("<|channel|>analysis<|message|>", "<|end|>")}
 
 
 def thinking(name: str, path: str) -> dict:
-    """Sampling settings under which the model writes a reasoning block "hm", then "ok", its markers as the family's
-    own tokens (as a reasoning model samples them)."""
+    """Sampling settings under which the model writes REASONED, its markers as the family's own tokens (as a reasoning
+    model samples them); gpt-oss then ends at <|return|> (its other stop tokens biased away)."""
     if name not in THINK:
         pytest.skip("no reasoning parser for this family")
-    ids = molt.Codec(path).tokenizer.convert_tokens_to_ids(list(THINK[name]))
-    pieces = [{"type": "token", "token": ids[0]}, {"type": "const_string", "value": "\nhm\n"},
-              {"type": "token", "token": ids[1]}, {"type": "const_string", "value": "\n\nok"}]
+    tokenizer = molt.Codec(path).tokenizer
+    pieces = molt.token_pieces(REASONED[name], *molt.ReplyParser(molt.ServerConfig(), tokenizer).added)
     tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": pieces}}
-    return {"temperature": 1.0, "max_tokens": 24, "structured_outputs": {"structural_tag": json.dumps(tag)}}
+    avoid = {"logit_bias": dict.fromkeys(tokenizer.convert_tokens_to_ids(["<|call|>", "<|endoftext|>"]), -100)}
+    return {"temperature": 1.0, "max_tokens": 24, "structured_outputs": {"structural_tag": json.dumps(tag)},
+            **(avoid if name == "gpt-oss" else {})}
 
 
 def test_reasoning_comes_apart_on_both_wires_streamed_or_not_and_goes_back_to_the_template(family):
-    """A family with a reasoning parser (Qwen3, Mistral): OpenAI's reasoning_content (and vLLM's reasoning),
+    """A family with a reasoning parser (Qwen3, Mistral, gpt-oss): OpenAI's reasoning_content (and vLLM's reasoning),
     Anthropic's thinking block, the same when streamed; reasoning sent back in a tool loop reaches the template (both
     render it there). Thinking off (chat_template_kwargs, Anthropic's thinking.disabled) leaves Qwen3's text whole;
-    Mistral's reasoning is marked by its own tokens whatever the template is told (as in vLLM): still apart."""
+    Mistral's and gpt-oss's reasoning is marked by their own tokens whatever the template is told (as in vLLM): still
+    apart."""
     name, path, engine = family
     think = thinking(name, path)
 
@@ -285,7 +301,8 @@ def test_an_edited_reasoning_is_an_edited_reply(family):
 
 def test_check_template_reports_what_the_server_would_do_with_the_familys_template(family):
     """python molt.py check-template: the scripted tool episode turn by turn. Qwen3 (it rewrites the reasoning of a turn
-    followed by a new question): a new segment there with --server.history template, one segment with append; Llama
+    followed by a new question; gpt-oss's drops a tool call's analysis once the turn is answered): a new segment there
+    with --server.history template, one segment with append; Llama
     3.1 and Mistral: one segment either way; DeepSeek-V3's own template writes a call in history only when its content is null,
     which no server sends (vLLM renders a null content as ""): the call vanishes, so the check fails (exit 1)."""
     import subprocess
@@ -302,7 +319,7 @@ def test_check_template_reports_what_the_server_would_do_with_the_familys_templa
         assert rc == 1 and "turn 1: FAIL parsed back as tool calls ()" in text
         rc, text = check("--chat-template", "examples/templates/deepseek_v3_tools.jinja")
         assert rc == 0 and text.count("parses back") == 3 and "NEW SEGMENT" not in text
-    elif name == "qwen3":
+    elif name in ("qwen3", "gpt-oss"):
         assert rc == 0 and "template: NEW SEGMENT" in text and "append: extends" in text
         assert "segments per episode: 2 with --server.history template, 1 with append; OK for template" in text
         assert check("--server.history", "append")[0] == 0
@@ -319,8 +336,9 @@ def test_a_tool_agent_trains_two_steps_on_each_family_with_no_server_failure(nam
     episode token by token on the family's vocabulary (headless Chromium)."""
     from test_e2e import metrics, molt as run_molt
     from test_view import check_tokens, dumped, render, view
+    # 4 samples per micro-batch: the logits of 16 (the default) on gpt-oss's 201k vocabulary are ~8 GB per copy
     run_molt("--agent", "agents/chat_tools.py", "--model", f"tiny:{name}", "--steps", 2, "--run-dir", tmp_path / "r",
-             "--dump-samples")
+             "--dump-samples", "--train.micro-batch-size", 4)
     m = metrics(tmp_path / "r")
     assert [x["step"] for x in m] == [1, 2]
     assert all(x["server/5xx"] == 0 and x["tools/forced_parsed"] == 1.0 for x in m)  # every episode's
@@ -434,5 +452,8 @@ FAMILY_DIFFERENCES = {
     # vLLM's forced reply holds no call: its mistral parser guides a bare JSON array (the format before tekken v11),
     # which its own parse does not read back once the vocabulary has [ARGS] (Molt guides [TOOL_CALLS]name[ARGS]{...})
     "mistral": {("openai", "tools required", "calls"), ("openai", "message", "+tool_calls"),
+                ("anthropic", "block", "-text")},    # vLLM's forced reply holds no call: its harmony tag lets the model write an analysis first (and so a random one
+    # never calls); Molt guides the call itself, with the header its template writes back
+    "gpt-oss": {("openai", "tools required", "calls"), ("openai", "message", "+tool_calls"),
                 ("anthropic", "block", "-text")},
 }
