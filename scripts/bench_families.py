@@ -1,6 +1,7 @@
 """Per model family: what the loopback server does with the family's real tokenizer, chat template and vLLM's parsers.
 
-    .venv/bin/python scripts/bench_families.py [--families qwen3,llama3.1,deepseek-v3,mistral] [--episodes 8] [--calls 20]
+    .venv/bin/python scripts/bench_families.py [--families qwen3,llama3.1,deepseek-v3,mistral,gpt-oss] [--episodes 8]
+        [--calls 20]
 
 Per family (tiny:FAMILY, one engine each, random weights):
 - forced calls: the share of `tool_choice` required (OpenAI) / any (Anthropic) replies that come back as parsed calls;
@@ -158,7 +159,7 @@ async def main(args):
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("--families", default="qwen3,llama3.1,deepseek-v3,mistral")
+    p.add_argument("--families", default="qwen3,llama3.1,deepseek-v3,mistral,gpt-oss")
     p.add_argument("--episodes", type=int, default=8)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--rounds", type=int, default=5)
