@@ -1785,8 +1785,9 @@ class ReplyParser:
     def forced(self, turn: Turn) -> dict | None:
         """tool_choice required / a named tool: the sampling settings (vLLM's structured outputs; gpt-oss: a bias) for
         exactly one call of one of the (or the) tools, in this model's own call format (its parser's structural tag,
-        tightened by strict_tag), the arguments held to the tool's schema as compact JSON. Guided from the first token: a reasoning model writes no reasoning
-        first (vLLM's server guides only once reasoning ends, which a policy early in RL may never do: no call)."""
+        tightened by strict_tag), the arguments held to the tool's schema as compact JSON. Guided from the first
+        token: a reasoning model writes no reasoning first (vLLM's server guides only once reasoning ends, which a
+        policy early in RL may never do: no call)."""
         if turn.tool_choice in ("auto", "none"):
             return None
         _require(self.tool != "none", "this model has no tool-call parser (--server.tool-parser): "
@@ -2059,6 +2060,7 @@ class Turn:
     top_logprobs: int | None = None  # None: no log-probs in the reply; k: the sampled token's and the top k
     template: dict = field(default_factory=dict)  # chat-template variables (chat_template_kwargs, thinking)
     retry: bool = False  # the SDK marked it as a retry of the request it sent last: answer from the cache
+    echo: dict = field(default_factory=dict)  # Responses: its id, the fields its reply repeats, what state keeps
 
     @property
     def shown_tools(self) -> list | None:
@@ -2368,6 +2370,119 @@ def decode_anthropic(body: dict) -> Turn:
                           "stop": _stops(body.get("stop_sequences"), "stop_sequences", one=False)})
 
 
+# OpenAI's Responses wire is decoded into the chat body it means (decode_openai checks it then): instructions as a
+# system message, input items as messages (reasoning, text and calls joining into one assistant message, as vLLM
+# joins them), flat function tools nested, text.format as response_format. Fields without effect on sampling
+# (include, metadata, truncation, user, prompt_cache_key, ...) are accepted and ignored, as OpenAI does.
+RESPONSES_KEPT = 64  # stored responses per session (the oldest go first); all of them go with the episode
+
+
+def _response_parts(content, where: str, role: str):
+    """A message item's content -> chat content: text parts (input_text, output_text) and input_image as image_url."""
+    if not isinstance(content, list):
+        return content
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text", "refusal"):
+            out.append({"type": "text", "text": part.get("text", part.get("refusal"))})
+        else:
+            _require(kind == "input_image" and isinstance(part.get("image_url"), str), f"'{where}[{j}]' must be an "
+                     "input_text, output_text or input_image part with an image_url (a data URI)")
+            out.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+    return "".join(p["text"] or "" for p in out) if role == "assistant" else out
+
+
+def _joins(last: dict | None, kind: str) -> bool:
+    """Whether an assistant-side item of kind joins the assistant message last (reasoning opens a turn, a call may
+    follow anything of it, text only reasoning)."""
+    if not last or last["role"] != "assistant" or (kind == "reasoning" and any(
+            last.get(k) for k in ("reasoning", "content", "tool_calls"))):
+        return False
+    return kind != "message" or not (last.get("content") or last.get("tool_calls"))
+
+
+def response_messages(items, where: str = "input") -> list[dict]:
+    """Responses input items -> chat messages."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    _require(isinstance(items, list) and items, f"'{where}' must be a string or a non-empty list of items")
+    out: list[dict] = []
+    for i, item in enumerate(items):
+        _require(isinstance(item, dict), f"'{where}[{i}]' must be an object")
+        kind, role, at = item.get("type", "message"), item.get("role", "assistant"), f"{where}[{i}]"
+        if kind in ("reasoning", "function_call") or (kind == "message" and role == "assistant"):
+            if not _joins(out[-1] if out else None, kind):
+                out.append({"role": "assistant", "content": ""})
+            m = out[-1]
+        if kind == "message" and role == "assistant":
+            m["content"] = _response_parts(item.get("content"), f"{at}.content", role)
+        elif kind == "message":
+            out.append({"role": role, "content": _response_parts(item.get("content"), f"{at}.content", role)})
+        elif kind == "reasoning":
+            _require(not item.get("encrypted_content"), f"'{at}': encrypted reasoning cannot be read here")
+            parts = item.get("content") or item.get("summary") or []
+            m["reasoning"] = "\n".join(p.get("text", "") for p in parts if isinstance(p, dict))
+        elif kind == "function_call":
+            _string(item.get("call_id"), f"{at}.call_id", optional=False)
+            m.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": {
+                "name": item.get("name"), "arguments": item.get("arguments")}})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else "".join(
+                p.get("text", "") for p in output or [] if isinstance(p, dict))
+            out.append({"role": "tool", "tool_call_id": _string(item.get("call_id"), f"{at}.call_id", False),
+                        "content": text})
+        else:
+            _require(False, f"'{at}.type' {kind!r} is not supported (message, reasoning, function_call, "
+                     "function_call_output)")
+    return out
+
+
+def responses_as_chat(body: dict) -> dict:
+    """A Responses body -> the chat-completions body it means (its input's messages after instructions)."""
+    _require(not body.get("background"), "'background' responses are not supported")
+    tools = body.get("tools")
+    _require(tools is None or isinstance(tools, list), "'tools' must be a list")
+    for j, t in enumerate(tools or []):
+        _require(isinstance(t, dict) and t.get("type") == "function", f"'tools[{j}]': only function tools are served")
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        _require(choice.get("type") == "function", "'tool_choice' must be auto, none, required or a function")
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    fmt = _object(_object(body.get("text"), "text").get("format"), "text.format")
+    if fmt.get("type") == "json_schema":
+        fmt = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
+    logprobs = "message.output_text.logprobs" in (body.get("include") or [])
+    instructions = _string(body.get("instructions"), "instructions")
+    return {"messages": [{"role": "system", "content": instructions}] if instructions else [],
+            "stream": body.get("stream"), "tool_choice": choice, "response_format": fmt or None,
+            "tools": [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                                        if k in t}} for t in tools or []] or None,
+            "reasoning_effort": _object(body.get("reasoning"), "reasoning").get("effort"),
+            "logprobs": logprobs or None, "top_logprobs": body.get("top_logprobs") if logprobs else None,
+            **{k: body[k] for k in ("max_output_tokens", "temperature", "top_p") if body.get(k) is not None}}
+
+
+def decode_responses(body: dict) -> Turn:
+    """OpenAI Responses body -> Turn; echo keeps what its reply repeats and what the session stores. The messages
+    are the input's only: previous_response_id puts the stored conversation before them (LoopbackServer.continued)."""
+    chat = responses_as_chat(body)
+    history = response_messages(body.get("input"))
+    chat["messages"] += history
+    chat["max_tokens"] = _number(chat, "max_output_tokens", 1, 1 << 30, True)
+    turn = decode_openai({k: v for k, v in chat.items() if k != "max_output_tokens"})
+    items = body["input"] if isinstance(body["input"], list) else [{"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": body["input"]}]}]
+    turn.echo = {"id": "resp_" + uuid.uuid4().hex, "history": history, "created_at": int(time.time()),
+                 "previous_response_id": _string(body.get("previous_response_id"), "previous_response_id"),
+                 "store": body.get("store") is not False, "model": body.get("model"),
+                 "input": [{"id": f"item_{uuid.uuid4().hex[:24]}", "type": "message", **x} for x in items],
+                 **{k: body.get(k) for k in ("instructions", "tools", "tool_choice", "text", "reasoning", "metadata",
+                                             "temperature", "top_p", "max_output_tokens", "parallel_tool_calls")}}
+    return turn
+
+
 @dataclass
 class Session:
     ep: Episode
@@ -2378,6 +2493,7 @@ class Session:
     choices: list = field(default_factory=list)  # [(Reply, the Sample it extended)] of the last turn
     template: dict = field(default_factory=dict)  # the last turn's chat-template variables
     errors: dict = field(default_factory=lambda: {"server/4xx": 0, "server/5xx": 0})  # answers refused or failed
+    responses: dict = field(default_factory=dict)  # Responses kept (store): id -> (Turn, Reply), RESPONSES_KEPT at most
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -2418,6 +2534,10 @@ class LoopbackServer:
                 for path in WIRES:
                     app.router.add_post(f"{root}/{path}", self.handle)
                 app.router.add_post(root + "/messages/count_tokens", self.count_tokens)
+                app.router.add_post(root + "/responses/compact", self.compact)
+                for method in ("GET", "DELETE"):
+                    app.router.add_route(method, root + "/responses/{rid}", self.stored)
+                app.router.add_get(root + "/responses/{rid}/input_items", self.stored)
                 app.router.add_get(root + "/models", self.models)
             runner = web.AppRunner(app, access_log=None, max_line_size=MAX_HEADER_BYTES,  # a long key: 401, not a
                                    max_field_size=MAX_HEADER_BYTES,                      # plain-text 400
@@ -2514,13 +2634,54 @@ class LoopbackServer:
             self.check_sampling(s, turn)
             model = body.get("model") or self.model_name
             async with s.lock:  # one turn at a time per session
+                self.continued(s, turn)
                 if turn.stream:
                     return await self.stream_turn(request, s, turn, wire, model)
                 replies = await self.turn(s, turn)
         finally:
             if "sid" not in request.match_info:
                 self.router.forget(s.ep.rollout_id)  # an unrecorded call leaves nothing behind
-        return web.json_response(wire.reply(replies, model))
+        return web.json_response(wire.reply(replies, model, turn))
+
+    def continued(self, s: Session, turn: Turn):
+        """previous_response_id: the stored response's conversation (its input after its own predecessors', then its
+        output, without its instructions) before the new input, under this request's instructions."""
+        if not (rid := turn.echo.get("previous_response_id")):
+            return
+        prev, reply = self.kept(s, rid)
+        history = prev.echo["history"] + response_messages(response_output(reply, rid), "previous output")
+        turn.echo["history"] = history + turn.echo["history"]
+        system = [{"role": "system", "content": turn.echo["instructions"]}] if turn.echo["instructions"] else []
+        turn.messages = _openai_messages(system + turn.echo["history"])
+
+    def kept(self, s: Session, rid: str) -> tuple:
+        _require(rid in s.responses, f"Response with id '{rid}' not found.", 404)
+        return s.responses[rid]
+
+    async def stored(self, request):
+        """GET /responses/{id} (the Response), its /input_items (a page of them), DELETE /responses/{id}."""
+        from aiohttp import web
+        s, rid = self.authorize(request), request.match_info["rid"]
+        turn, reply = self.kept(s, rid)
+        if request.method == "DELETE":
+            del s.responses[rid]
+            return web.json_response({"id": rid, "object": "response", "deleted": True})
+        if not request.path.endswith("/input_items"):
+            return web.json_response(responses_reply([reply], turn.echo["model"] or self.model_name, turn))
+        q = request.query
+        items = turn.echo["input"][::1 if q.get("order") == "asc" else -1]
+        ids = [x.get("id") for x in items]
+        items = items[ids.index(q["after"]) + 1 if q.get("after") in ids else 0:]
+        limit = int(q["limit"]) if q.get("limit", "").isdigit() else 20
+        page = items[:max(1, min(limit, 100))]
+        return web.json_response({"object": "list", "data": page, "has_more": len(items) > len(page),
+                                  "first_id": page[0]["id"] if page else None,
+                                  "last_id": page[-1]["id"] if page else None})
+
+    async def compact(self, request):
+        self.authorize(request)
+        raise WireError(400, "compaction is not served: its compacted item is opaque, and a trained context must be "
+                             "tokens; send the conversation's items as input (a new segment) instead")
 
     def check_sampling(self, s: Session, turn: Turn):
         """The trainer corrects for the temperature each token was sampled at, but not for a different nucleus or
@@ -2574,7 +2735,8 @@ class LoopbackServer:
         before = self.codec.render(msgs[:n], tools, **turn.template)  # the reply's prompt, as rendered now
         if seg is not None and full.startswith(prefix) and prefix.startswith(before):
             new = full[len(prefix):]
-        elif seg is not None and self.cfg.server.history == "append":  # the template rewrote an earlier turn
+        elif seg is not None and (self.cfg.server.history == "append" or turn.echo.get("previous_response_id")):
+            # the template rewrote an earlier turn; a Responses chain always continues from its stored tokens
             new = self.appended(msgs, n, tools, turn.template)
         if new is None:  # an edited reply, or a template that re-renders old turns
             return full, images, None
@@ -2605,6 +2767,10 @@ class LoopbackServer:
             seg.add_turn(c)
             choices.append((self.reply(c, turn, prompt_tokens), seg))
         s.last_messages, s.last_tools, s.choices, s.template = turn.messages, turn.tools, choices, turn.template
+        if turn.echo.get("store"):  # a Responses reply, kept for previous_response_id and retrieval
+            s.responses[turn.echo["id"]] = (turn, choices[0][0])
+            while len(s.responses) > RESPONSES_KEPT:
+                s.responses.pop(next(iter(s.responses)))
         return [reply for reply, _ in choices]
 
     def reply(self, c: Completion, turn: Turn, prompt_tokens: int) -> Reply:
@@ -2637,7 +2803,7 @@ class LoopbackServer:
         item = await anext(items)  # vLLM checks a request before its first token: a refusal is still a 4xx here
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        events = wire.events(model, len(prep.request.ids), turn.usage_in_stream)
+        events = wire.events(model, len(prep.request.ids), turn)
         await send_events(resp, events.head())
         text = TextStream(self.codec, prep.request.sampling.get("stop") or [], self.parser.active(turn) and
                           self.parser.for_turn(turn), vllm_request(turn), prep.request.ids)
@@ -2711,7 +2877,7 @@ def openai_message(r: Reply) -> dict:
             **({"tool_calls": [openai_call(c) for c in r.calls]} if r.calls else {})}
 
 
-def openai_reply(replies: list[Reply], model: str) -> dict:
+def openai_reply(replies: list[Reply], model: str, turn: Turn) -> dict:
     r = replies[0]
     return {"id": r.id, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": i, "message": openai_message(x), "finish_reason": x.finish,
@@ -2740,7 +2906,7 @@ def _json_object(arguments: str) -> dict:
     return value if isinstance(value, dict) else {"arguments": value}
 
 
-def anthropic_reply(replies: list[Reply], model: str) -> dict:
+def anthropic_reply(replies: list[Reply], model: str, turn: Turn) -> dict:
     r = replies[0]  # Anthropic has no choices: n is always 1
     return {"id": "msg_" + r.id[9:], "type": "message", "role": "assistant", "model": model,
             "content": _anthropic_blocks(r), "stop_reason": anthropic_stop(r), "stop_sequence": r.stop,
@@ -2762,8 +2928,9 @@ async def send_events(resp, events: list):
 class OpenAIEvents:
     """The chat.completion.chunk stream: the role, content deltas, tool-call deltas, the finish, usage, [DONE]."""
 
-    def __init__(self, model: str, prompt_tokens: int, usage: bool):
-        self.id, self.usage, self.prompt_tokens = "chatcmpl-" + uuid.uuid4().hex[:24], usage, prompt_tokens
+    def __init__(self, model: str, prompt_tokens: int, turn: Turn):
+        self.id, self.usage, self.prompt_tokens = "chatcmpl-" + uuid.uuid4().hex[:24], turn.usage_in_stream, \
+            prompt_tokens
         self.base = {"id": self.id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
 
     def chunk(self, delta: dict, finish=None):
@@ -2789,7 +2956,7 @@ class AnthropicEvents:
     """The messages stream: message_start, a thinking or text block per run of reasoning or text as it arrives,
     tool_use blocks, message_delta (why it stopped, output tokens), message_stop."""
 
-    def __init__(self, model: str, prompt_tokens: int, usage: bool):
+    def __init__(self, model: str, prompt_tokens: int, turn: Turn):
         self.model, self.prompt_tokens, self.open, self.index = model, prompt_tokens, None, -1
         self.id = "msg_" + uuid.uuid4().hex[:24]
 
@@ -2837,19 +3004,145 @@ class AnthropicEvents:
         return [_event("error", error={"type": "api_error", "message": message})]
 
 
+def response_item(kind: str, rid: str, index: int, text: str = "", call: dict | None = None, done=True) -> dict:
+    """One output item of response rid at output_index index (its id follows from both, so a stream and a retrieval
+    name it alike): reasoning, a message, or a function call."""
+    prefix = {"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind]
+    ident, status = f"{prefix}_{rid.removeprefix('resp_')}_{index}", "completed" if done else "in_progress"
+    if kind == "reasoning":
+        return {"id": ident, "type": "reasoning", "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": text}] if done else []}
+    if kind == "message":
+        return {"id": ident, "type": "message", "role": "assistant", "status": status, "content": [
+            {"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if done else []}
+    return {"id": ident, "type": "function_call", "call_id": call["id"], "name": call["name"], "status": status,
+            "arguments": call["arguments"] if done else ""}
+
+
+def response_output(r: Reply, rid: str) -> list[dict]:
+    """A reply's output items: its reasoning, its text (or an empty one when it made no call), its calls."""
+    kinds = [("reasoning", r.reasoning, None)] * bool(r.reasoning) + [("message", r.text, None)] * bool(
+        r.text or not r.calls) + [("function_call", "", c) for c in r.calls]
+    items = [response_item(kind, rid, i, text, call) for i, (kind, text, call) in enumerate(kinds)]
+    for item in items:
+        if item["type"] == "message" and r.logprobs is not None:
+            item["content"][0]["logprobs"] = r.logprobs
+    return items
+
+
+def response_body(echo: dict, model: str, output: list, r: Reply | None = None) -> dict:
+    """The Response object: in progress until a reply r ends it (incomplete when cut at max_output_tokens)."""
+    status = "in_progress" if r is None else "incomplete" if r.finish == "length" else "completed"
+    usage = r and {"input_tokens": r.prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                   "output_tokens": len(r.ids), "output_tokens_details": {"reasoning_tokens": 0},
+                   "total_tokens": r.prompt_tokens + len(r.ids)}
+    return {"id": echo["id"], "object": "response", "created_at": echo["created_at"], "model": model,
+            "status": status, "error": None, "output": output, "usage": usage,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "tools": echo["tools"] or [], "tool_choice": echo["tool_choice"] or "auto",
+            "parallel_tool_calls": echo["parallel_tool_calls"] is not False,
+            **{k: echo[k] for k in ("previous_response_id", "store", "instructions", "text", "reasoning", "metadata",
+                                    "temperature", "top_p", "max_output_tokens")}}
+
+
+def responses_reply(replies: list[Reply], model: str, turn: Turn) -> dict:
+    return response_body(turn.echo, model, response_output(replies[0], turn.echo["id"]), replies[0])
+
+
+class ResponsesEvents:
+    """The Responses stream: response.created and .in_progress; per output item (reasoning, then text, then each
+    call, in the order they come) its output_item.added, content part, deltas and done events; response.completed
+    (response.incomplete when cut at max_output_tokens) with the whole response, its items named as streamed."""
+
+    def __init__(self, model: str, prompt_tokens: int, turn: Turn):
+        self.model, self.echo, self.seq, self.items = model, turn.echo, 0, []  # items: [kind, text so far, call]
+
+    def event(self, kind: str, **data) -> tuple[str, dict]:
+        self.seq += 1
+        return kind, {"type": kind, "sequence_number": self.seq - 1, **data}
+
+    def head(self):
+        body = response_body(self.echo, self.model, [])
+        return [self.event("response.created", response=body), self.event("response.in_progress", response=body)]
+
+    def text(self, reasoning: str, piece: str):
+        return self.delta("reasoning", reasoning) + self.delta("message", piece)
+
+    def at(self, index: int) -> dict:
+        kind, text, call = self.items[index]
+        return {"item_id": response_item(kind, self.echo["id"], index, call=call)["id"], "output_index": index}
+
+    def delta(self, kind: str, piece: str):
+        if not piece:
+            return []
+        out = [] if self.items and self.items[-1][0] == kind and len(self.items[-1]) == 3 else \
+            self.close() + self.start(kind)
+        self.items[-1][1] += piece
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        return out + [self.event(name, **self.at(len(self.items) - 1), content_index=0, delta=piece,
+                                 **({"logprobs": []} if kind == "message" else {}))]
+
+    def item(self, index: int, done: bool) -> dict:
+        kind, text, call = self.items[index]
+        return response_item(kind, self.echo["id"], index, text, call, done)
+
+    def start(self, kind: str, call: dict | None = None):
+        self.items.append([kind, "", call])
+        index = len(self.items) - 1
+        out = [self.event("response.output_item.added", output_index=index, item=self.item(index, False))]
+        if call is None:
+            part = response_item(kind, self.echo["id"], index)["content"][0]
+            out.append(self.event("response.content_part.added", **self.at(index), content_index=0, part=part))
+        return out
+
+    def close(self):
+        """The last item's done events, unless it is done already."""
+        if not self.items or len(self.items[-1]) == 4:
+            return []
+        index, (kind, text, call) = len(self.items) - 1, self.items[-1]
+        item, out = self.item(index, True), []
+        if call is not None:
+            out.append(self.event("response.function_call_arguments.done", **self.at(index), name=call["name"],
+                                  arguments=call["arguments"]))
+        else:
+            name = "response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done"
+            extra = {"logprobs": []} if kind == "message" else {}
+            out += [self.event(name, **self.at(index), content_index=0, text=text, **extra),
+                    self.event("response.content_part.done", **self.at(index), content_index=0,
+                               part=item["content"][0])]
+        self.items[-1] = [kind, text, call, item]
+        return out + [self.event("response.output_item.done", output_index=index, item=item)]
+
+    def tail(self, r: Reply):
+        out = [] if r.calls or any(x[0] == "message" for x in self.items) else \
+            self.close() + self.start("message")  # a reply with no text and no call still has its (empty) message
+        out += self.close()
+        for call in r.calls:
+            out += self.start("function_call", call)
+            out.append(self.event("response.function_call_arguments.delta", **self.at(len(self.items) - 1),
+                                  delta=call["arguments"]))
+            out += self.close()
+        body = response_body(self.echo, self.model, [x[3] for x in self.items], r)
+        return out + [self.event(f"response.{body['status']}", response=body)]
+
+    def error(self, message: str):
+        return [self.event("error", code="server_error", message=message, param=None)]
+
+
 @dataclass(frozen=True)
 class Wire:
     """One API the loopback server speaks, served at /v1/PATH (its WIRES key) and /s/SESSION/v1/PATH. Adding a wire is
     one WIRES entry and its four functions; the request path (authorize, read_json, turn or stream_turn, record) is
     the same for all."""
     decode: Callable  # request body -> Turn (WireError on a bad one)
-    reply: Callable  # (replies, model name) -> response body
-    events: Callable  # (model name, prompt tokens, usage wanted) -> a stream's events: head(), text(), tail(), error()
+    reply: Callable  # (replies, model name, the Turn) -> response body
+    events: Callable  # (model name, prompt tokens, the Turn) -> a stream's events: head(), text(), tail(), error()
     error: Callable  # WireError -> error body
 
 
 WIRES = {"chat/completions": Wire(decode_openai, openai_reply, OpenAIEvents, openai_error),
-         "messages": Wire(decode_anthropic, anthropic_reply, AnthropicEvents, anthropic_error)}
+         "messages": Wire(decode_anthropic, anthropic_reply, AnthropicEvents, anthropic_error),
+         "responses": Wire(decode_responses, responses_reply, ResponsesEvents, openai_error)}
 
 
 def wire_of(path: str) -> Wire:

@@ -160,8 +160,15 @@ MUTATIONS = [
      "if seg is not None and full.startswith(prefix) and prefix", "if seg is not None and prefix",
      [f"{FM}::test_a_template_that_rewrites_an_earlier_turn_opens_a_new_segment_unless_history_appends"]),
     ("history-append-ignored", "segments: --server.history append still opens a new segment where the template "
-     "rewrites an earlier turn", 'elif seg is not None and self.cfg.server.history == "append":', "elif False:",
+     "rewrites an earlier turn", 'elif seg is not None and (self.cfg.server.history == "append" or', "elif False and (",
      [f"{FM}::test_a_template_that_rewrites_an_earlier_turn_opens_a_new_segment_unless_history_appends"]),
+    ("responses-chain-rerendered", "segments: a previous_response_id chain opens a new segment where the template "
+     "rewrites an earlier turn", ' or turn.echo.get("previous_response_id")):', "):",
+     [f"{FM}::test_reasoning_is_a_reasoning_item_on_the_responses_wire_and_a_chain_keeps_its_tokens"]),
+    ("responses-chain-drops-output", "state: previous_response_id restores the earlier input but not the reply",
+     'history = prev.echo["history"] + response_messages(response_output(reply, rid), "previous output")',
+     'history = prev.echo["history"]',
+     ["tests/test_responses.py::test_a_chain_of_responses_is_one_segment_streamed_or_not_and_kept_per_session"]),
     ("reasoning-not-compared", "token identity: a reply sent back with its reasoning edited extends the segment",
      'return (text or "").rstrip(), tuple(calls), (message.get("reasoning") or "").strip()',
      'return (text or "").rstrip(), tuple(calls), ""', [f"{FM}::test_an_edited_reasoning_is_an_edited_reply"]),

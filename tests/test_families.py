@@ -279,6 +279,29 @@ def test_reasoning_comes_apart_on_both_wires_streamed_or_not_and_goes_back_to_th
     assert f"{begin}{blocks[0].thinking}{end}" in molt.Codec(path).tokenizer.decode(prompt)
 
 
+def test_reasoning_is_a_reasoning_item_on_the_responses_wire_and_a_chain_keeps_its_tokens(family):
+    """Responses: the reasoning parser's reasoning as a reasoning item before the message, streamed as reasoning_text
+    deltas; a previous_response_id chain extends its segment from the stored tokens even where the template drops
+    earlier reasoning (Qwen3), whatever --server.history says."""
+    name, path, engine = family
+    think = thinking(name, path)
+
+    async def main():
+        async with Server(engine, path, think) as srv:
+            c = srv.openai()
+            r = await c.responses.create(model="m", input="Hi")
+            async with c.responses.stream(model="m", input="Go", previous_response_id=r.id) as stream:
+                kinds = [e.type async for e in stream]
+                final = await stream.get_final_response()
+            return r, kinds, final, srv.session.segments
+    r, kinds, final, segments = run(main())
+    for out in (r, final):
+        assert [o.type for o in out.output] == ["reasoning", "message"]
+        assert (out.output[0].content[0].text.strip(), out.output_text.strip()) == ("hm", "ok")
+    assert "response.reasoning_text.delta" in kinds and kinds[-1] == "response.completed"
+    assert len(segments) == 1
+
+
 def test_an_edited_reasoning_is_an_edited_reply(family):
     """Reasoning is part of the reply: sent back as returned, the next turn extends the segment (history append, so
     Qwen3's rewriting of earlier reasoning does not interfere); sent back edited, it opens a new one."""
@@ -452,7 +475,8 @@ FAMILY_DIFFERENCES = {
     # vLLM's forced reply holds no call: its mistral parser guides a bare JSON array (the format before tekken v11),
     # which its own parse does not read back once the vocabulary has [ARGS] (Molt guides [TOOL_CALLS]name[ARGS]{...})
     "mistral": {("openai", "tools required", "calls"), ("openai", "message", "+tool_calls"),
-                ("anthropic", "block", "-text")},    # vLLM's forced reply holds no call: its harmony tag lets the model write an analysis first (and so a random one
+                ("anthropic", "block", "-text")},
+    # vLLM's forced reply holds no call: its harmony tag lets the model write an analysis first (and so a random one
     # never calls); Molt guides the call itself, with the header its template writes back
     "gpt-oss": {("openai", "tools required", "calls"), ("openai", "message", "+tool_calls"),
                 ("anthropic", "block", "-text")},

@@ -1,0 +1,128 @@
+"""Section 7, OpenAI's Responses wire: the stock SDK's responses.create / .stream / .retrieve / .delete /
+.input_items against the loopback server and a real tiny engine; state kept per session (previous_response_id
+extends the segment token for token), function calls and their outputs, JSON schema, errors in the wire's shape."""
+import json
+
+import openai
+import pytest
+
+import molt
+from conftest import run
+from test_agents import episode
+from test_server import CITY, Server
+
+FLAT = {"type": "function", "name": "get_weather", "description": "weather in a city", "parameters": CITY}
+ENDS = {"temperature": 1.0, "max_tokens": 16, "structured_outputs": {"regex": "hello there"}}  # ends at a stop
+
+
+@pytest.mark.parametrize("text, reasoning, calls", [("ok", "", 0), ("", "", 1), ("ok", "hm", 2), ("", "hm", 1),
+                                                     ("", "", 0)])
+def test_a_replys_output_items_read_back_as_the_reply(text, reasoning, calls):
+    """What previous_response_id and a replayed input rest on: a reply's output items, as messages, are the reply
+    (the segment it extends is found by this equality), and they form one assistant message."""
+    r = molt.Reply(id="x", text=text, reasoning=reasoning, finish="stop", ids=[1], prompt_tokens=1,
+                   calls=[{"id": f"call_{k}", "name": "f", "arguments": '{"a": 1}'} for k in range(calls)])
+    items = molt.response_output(r, "resp_1")
+    assert [i["type"] for i in items] == ["reasoning"] * bool(reasoning) + ["message"] * bool(text or not calls) + \
+        ["function_call"] * calls and len({i["id"] for i in items}) == len(items)
+    [m] = molt.response_messages(items)
+    assert molt.canonical(m) == molt.canonical(molt.reply_message(r))
+
+
+def test_a_chain_of_responses_is_one_segment_streamed_or_not_and_kept_per_session(engine, tiny):
+    """create, create with previous_response_id, stream with it: one segment, each request's prompt the sampled tokens
+    so far plus the new input; retrieve gives the same response (its items named alike), input_items the request's
+    input; delete forgets it (404 after, as for another session's id or an unknown one)."""
+    async def main():
+        async with Server(engine, tiny, ENDS) as srv:
+            c = srv.openai()
+            r1 = await c.responses.create(model="m", input="hi", instructions="Be brief.")
+            r2 = await c.responses.create(model="m", input="more", instructions="Be brief.",
+                                          previous_response_id=r1.id)
+            async with c.responses.stream(model="m", input=[{"role": "user", "content": [
+                    {"type": "input_text", "text": "again"}]}], instructions="Be brief.",
+                    previous_response_id=r2.id) as stream:
+                deltas = [e.delta async for e in stream if e.type == "response.output_text.delta"]
+                r3 = await stream.get_final_response()
+            got, items = await c.responses.retrieve(r2.id), await c.responses.input_items.list(r2.id)
+            await c.responses.delete(r1.id)
+            other = srv.pool.server.open(episode())
+            c2 = openai.AsyncOpenAI(base_url=other.base_url, api_key=other.api_key, max_retries=0)
+            missing = []
+            for call in (c.responses.retrieve(r1.id), c2.responses.retrieve(r2.id),
+                         c.responses.create(model="m", input="x", previous_response_id="resp_nope")):
+                with pytest.raises(openai.NotFoundError) as err:
+                    await call
+                missing.append(err.value.body)
+            short = await c.responses.create(model="m", input="hi", max_output_tokens=1)
+            return r1, r2, r3, deltas, got, items, missing, short, srv.session.segments, srv.pool.router.prompts
+    r1, r2, r3, deltas, got, items, missing, short, segments, prompts = run(main())
+    assert [r.output_text for r in (r1, r2, r3)] == ["hello there"] * 3 and "".join(deltas) == "hello there"
+    assert r1.status == "completed" and r2.previous_response_id == r1.id and r3.usage.output_tokens > 0
+    chain = segments[0].tokens
+    assert len(segments) == 2 and all(p == chain[:len(p)] for p in prompts[:2])  # (streams are not in prompts)
+    tok = molt.Codec(tiny).tokenizer
+    assert tok.decode(prompts[1][len(prompts[0]):]).startswith("hello there")  # the reply, then the new input
+    assert "again" in tok.decode(chain[len(prompts[1]):]) and tok.decode(chain).count("Be brief.") == 1
+    assert got.model_dump() == r2.model_dump()
+    assert [i.content[0].text for i in items.data] == ["more"]
+    assert all(m["message"].startswith("Response with id") for m in missing)  # (the SDK unwraps "error")
+    assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+
+
+def test_a_forced_call_its_output_and_a_replayed_input_extend_the_segment(engine, tiny):
+    """tool_choice required: a function_call item (call_id, name, arguments held to the schema); its output sent
+    with previous_response_id extends the call's segment, and so does the whole conversation replayed as input items
+    the way the SDK returns them, with a new question. A JSON schema (text.format) shapes a reply."""
+    async def main():
+        async with Server(engine, tiny, {"temperature": 1.0, "max_tokens": 120}) as srv:
+            c = srv.openai()
+            r = await c.responses.create(model="m", input="Weather?", tools=[FLAT], tool_choice="required")
+            call = next(o for o in r.output if o.type == "function_call")
+            result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+            chained = await c.responses.create(model="m", input=[result], tools=[FLAT], previous_response_id=r.id,
+                                               max_output_tokens=4)
+            replayed = [{"role": "user", "content": "Weather?"}, *[o.model_dump(exclude_none=True) for o in r.output],
+                        result, *[o.model_dump(exclude_none=True) for o in chained.output],
+                        {"role": "user", "content": "Thanks"}]
+            await c.responses.create(model="m", input=replayed, tools=[FLAT], max_output_tokens=4)
+            first = len(srv.session.segments)
+            schema = await c.responses.create(model="m", input="City?", max_output_tokens=120, text={"format": {
+                "type": "json_schema", "name": "city", "schema": CITY, "strict": True}})
+            return call, chained, first, schema, srv.pool.router.prompts
+    call, chained, first, schema, prompts = run(main())
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    assert call.call_id and call.status == "completed"
+    assert first == 1 and prompts[2][:len(prompts[1])] == prompts[1]  # the replay extends the chained request
+    assert "sunny" in molt.Codec(tiny).tokenizer.decode(prompts[1][len(prompts[0]):])
+    assert json.loads(schema.output_text)["city"] in ("Paris", "Rome")
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "item_reference"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "only function tools"),
+    ({"input": []}, "non-empty list"),
+    ({"input": "hi", "background": True}, "background"),
+    ({"input": [{"type": "reasoning", "encrypted_content": "zz"}]}, "encrypted"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "input_image"),
+])
+def test_bad_responses_requests_are_4xx_in_the_wire_shape(engine, tiny, body, fragment):
+    async def main():
+        async with Server(engine, tiny) as srv:
+            return await srv.post("/v1/responses", {"model": "m", **body}), \
+                await srv.post("/v1/responses/compact", {"model": "m", "input": "hi"})
+    (status, out), (compact, refusal) = run(main())
+    assert status == 400 and fragment in out["error"]["message"] and out["error"]["type"]
+    assert compact == 400 and "compaction" in refusal["error"]["message"]
+
+
+@pytest.mark.slow
+def test_the_responses_agent_trains_two_steps(tmp_path):
+    """agents/chat_responses.py (a forced calculator call, its output by previous_response_id, free turns) for 2
+    steps: no server failure, every forced call parsed, one segment per chain, engine and trainer agree at step 1."""
+    from test_e2e import metrics, molt as run_molt
+    run_molt("--agent", "agents/chat_responses.py", "--steps", 2, "--run-dir", tmp_path / "r")
+    m = metrics(tmp_path / "r")
+    assert [x["step"] for x in m] == [1, 2]
+    assert all(x["server/5xx"] == 0 and x["server/4xx"] == 0 and x["tools/forced_parsed"] == 1.0 for x in m)
+    assert m[0]["rollout/logprob_gap"] < 1e-3
