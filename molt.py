@@ -3055,7 +3055,8 @@ class ResponsesEvents:
     (response.incomplete when cut at max_output_tokens) with the whole response, its items named as streamed."""
 
     def __init__(self, model: str, prompt_tokens: int, turn: Turn):
-        self.model, self.echo, self.seq, self.items = model, turn.echo, 0, []  # items: [kind, text so far, call]
+        self.model, self.echo, self.seq = model, turn.echo, 0
+        self.items, self.done = [], []  # [kind, text so far, call] per item streamed; the items finished (all but an open one)
 
     def event(self, kind: str, **data) -> tuple[str, dict]:
         self.seq += 1
@@ -3075,8 +3076,7 @@ class ResponsesEvents:
     def delta(self, kind: str, piece: str):
         if not piece:
             return []
-        out = [] if self.items and self.items[-1][0] == kind and len(self.items[-1]) == 3 else \
-            self.close() + self.start(kind)
+        out = [] if len(self.done) < len(self.items) and self.items[-1][0] == kind else self.close() + self.start(kind)
         self.items[-1][1] += piece
         name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
         return out + [self.event(name, **self.at(len(self.items) - 1), content_index=0, delta=piece,
@@ -3097,7 +3097,7 @@ class ResponsesEvents:
 
     def close(self):
         """The last item's done events, unless it is done already."""
-        if not self.items or len(self.items[-1]) == 4:
+        if len(self.done) == len(self.items):
             return []
         index, (kind, text, call) = len(self.items) - 1, self.items[-1]
         item, out = self.item(index, True), []
@@ -3110,7 +3110,7 @@ class ResponsesEvents:
             out += [self.event(name, **self.at(index), content_index=0, text=text, **extra),
                     self.event("response.content_part.done", **self.at(index), content_index=0,
                                part=item["content"][0])]
-        self.items[-1] = [kind, text, call, item]
+        self.done.append(item)
         return out + [self.event("response.output_item.done", output_index=index, item=item)]
 
     def tail(self, r: Reply):
@@ -3122,7 +3122,7 @@ class ResponsesEvents:
             out.append(self.event("response.function_call_arguments.delta", **self.at(len(self.items) - 1),
                                   delta=call["arguments"]))
             out += self.close()
-        body = response_body(self.echo, self.model, [x[3] for x in self.items], r)
+        body = response_body(self.echo, self.model, self.done, r)
         return out + [self.event(f"response.{body['status']}", response=body)]
 
     def error(self, message: str):
