@@ -2422,15 +2422,18 @@ def response_messages(items, where: str = "input") -> list[dict]:
         elif kind == "reasoning":
             _require(not item.get("encrypted_content"), f"'{at}': encrypted reasoning cannot be read here")
             parts = item.get("content") or item.get("summary") or []
-            m["reasoning"] = "\n".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            _require(isinstance(parts, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                     for p in parts), f"'{at}' must have text parts")
+            m["reasoning"] = "\n".join(p["text"] for p in parts)
         elif kind == "function_call":
             _string(item.get("call_id"), f"{at}.call_id", optional=False)
             m.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": {
                 "name": item.get("name"), "arguments": item.get("arguments")}})
         elif kind == "function_call_output":
             output = item.get("output")
+            _require(isinstance(output, (str, list)), f"'{at}.output' must be a string or a list of parts")
             text = output if isinstance(output, str) else "".join(
-                p.get("text", "") for p in output or [] if isinstance(p, dict))
+                p["text"] for p in output if isinstance(p, dict) and isinstance(p.get("text"), str))
             out.append({"role": "tool", "tool_call_id": _string(item.get("call_id"), f"{at}.call_id", False),
                         "content": text})
         else:
@@ -2453,7 +2456,9 @@ def responses_as_chat(body: dict) -> dict:
     fmt = _object(_object(body.get("text"), "text").get("format"), "text.format")
     if fmt.get("type") == "json_schema":
         fmt = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
-    logprobs = "message.output_text.logprobs" in (body.get("include") or [])
+    include = body.get("include") or []
+    _require(isinstance(include, list), "'include' must be a list")
+    logprobs = "message.output_text.logprobs" in include
     instructions = _string(body.get("instructions"), "instructions")
     return {"messages": [{"role": "system", "content": instructions}] if instructions else [],
             "stream": body.get("stream"), "tool_choice": choice, "response_format": fmt or None,

