@@ -843,7 +843,8 @@ class Campaign:
         stored = list(live.session.responses)  # the newest stands for STORED, in a body or a path
         data, tail = req.data, req.tail
         if stored:
-            data, tail = data.replace(f'"{STORED}"'.encode(), f'"{stored[-1]}"'.encode()), tail.replace(STORED, stored[-1])
+            data = data.replace(f'"{STORED}"'.encode(), f'"{stored[-1]}"'.encode())
+            tail = tail.replace(STORED, stored[-1])
         before = snapshot(live)
         status, ctype, text = await live.send(root + PATHS[req.endpoint] + tail, data, headers, req.method)
         after = snapshot(live)
