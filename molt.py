@@ -2720,8 +2720,9 @@ class LoopbackServer:
                  f"length {self.cfg.data.max_len}")
         sampling = {**s.ep.sampling, **{k: v for k, v in turn.sampling.items() if v is not None},
                     "n": turn.n, "logprobs": turn.top_logprobs or 0}
-        if forced := self.parser.forced(turn):
-            _require(not sampling.get("structured_outputs"), "'tool_choice' and 'response_format' cannot be combined")
+        if forced := self.parser.forced(turn):  # (it overrides the episode's own defaults, not the request's)
+            _require(not turn.sampling.get("structured_outputs"), "'tool_choice' and 'response_format' cannot be "
+                     "combined")
             sampling.update(forced)
         request = EngineRequest(context, ((seg.images if seg else []) + new_images) or None,
                                 turn_sampling(self.cfg, sampling, len(context)))
@@ -2784,7 +2785,7 @@ class LoopbackServer:
         stop = c.stop_reason if isinstance(c.stop_reason, str) and c.stop_reason in raw else None
         raw = raw[:raw.index(stop)] if stop else raw  # the matched stop string stays in the tokens, not the text
         reasoning, text, calls = self.parser.parse(raw, c.ids, turn) if parse else ("", raw, [])
-        finish = "tool_calls" if calls else ("length" if c.finish_reason == "length" else "stop")
+        finish = "length" if c.finish_reason == "length" else "tool_calls" if calls else "stop"  # a cut call is cut
         return Reply(id="chatcmpl-" + uuid.uuid4().hex[:24], text=text, calls=calls, finish=finish, ids=c.ids,
                      reasoning=reasoning, prompt_tokens=prompt_tokens, stop=stop,
                      logprobs=None if turn.top_logprobs is None else self.logprob_entries(c))
@@ -2892,8 +2893,8 @@ def openai_reply(replies: list[Reply], model: str, turn: Turn) -> dict:
 
 
 def anthropic_stop(r: Reply) -> str:
-    return "tool_use" if r.calls else ("max_tokens" if r.finish == "length" else
-                                       "stop_sequence" if r.stop else "end_turn")
+    return "max_tokens" if r.finish == "length" else "tool_use" if r.calls else \
+        "stop_sequence" if r.stop else "end_turn"
 
 
 def _anthropic_blocks(r: Reply) -> list[dict]:
@@ -3029,6 +3030,7 @@ def response_output(r: Reply, rid: str) -> list[dict]:
     kinds = [("reasoning", r.reasoning, None)] * bool(r.reasoning) + [("message", r.text, None)] * bool(
         r.text or not r.calls) + [("function_call", "", c) for c in r.calls]
     items = [response_item(kind, rid, i, text, call) for i, (kind, text, call) in enumerate(kinds)]
+    items[-1]["status"] = "incomplete" if r.finish == "length" else "completed"  # the item max_output_tokens cut
     for item in items:
         if item["type"] == "message" and r.logprobs is not None:
             item["content"][0]["logprobs"] = r.logprobs
@@ -3100,12 +3102,12 @@ class ResponsesEvents:
             out.append(self.event("response.content_part.added", **self.at(index), content_index=0, part=part))
         return out
 
-    def close(self):
-        """The last item's done events, unless it is done already."""
+    def close(self, cut=False):
+        """The last item's done events, unless it is done already (cut: max_output_tokens ended it)."""
         if len(self.done) == len(self.items):
             return []
         index, (kind, text, call) = len(self.items) - 1, self.items[-1]
-        item, out = self.item(index, True), []
+        item, out = {**self.item(index, True), **({"status": "incomplete"} if cut else {})}, []
         if call is not None:
             out.append(self.event("response.function_call_arguments.done", **self.at(index), name=call["name"],
                                   arguments=call["arguments"]))
@@ -3121,12 +3123,13 @@ class ResponsesEvents:
     def tail(self, r: Reply):
         out = [] if r.calls or any(x[0] == "message" for x in self.items) else \
             self.close() + self.start("message")  # a reply with no text and no call still has its (empty) message
-        out += self.close()
-        for call in r.calls:
+        cut = r.finish == "length"
+        out += self.close(cut and not r.calls)
+        for i, call in enumerate(r.calls):
             out += self.start("function_call", call)
             out.append(self.event("response.function_call_arguments.delta", **self.at(len(self.items) - 1),
                                   delta=call["arguments"]))
-            out += self.close()
+            out += self.close(cut and i == len(r.calls) - 1)
         body = response_body(self.echo, self.model, self.done, r)
         return out + [self.event(f"response.{body['status']}", response=body)]
 

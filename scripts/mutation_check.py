@@ -165,6 +165,10 @@ MUTATIONS = [
     ("responses-chain-rerendered", "segments: a previous_response_id chain opens a new segment where the template "
      "rewrites an earlier turn", ' or turn.echo.get("previous_response_id")):', "):",
      [f"{FM}::test_reasoning_is_a_reasoning_item_on_the_responses_wire_and_a_chain_keeps_its_tokens"]),
+    ("cut-call-completed", "wire: a call cut at max_tokens is reported as a finished call (tool_calls, completed)",
+     'finish = "length" if c.finish_reason == "length" else "tool_calls" if calls else "stop"',
+     'finish = "tool_calls" if calls else "length" if c.finish_reason == "length" else "stop"',
+     [f"{FM}::test_a_call_cut_at_max_tokens_is_cut_on_every_wire"]),
     ("responses-chain-drops-output", "state: previous_response_id restores the earlier input but not the reply",
      'history = prev.echo["history"] + response_messages(response_output(reply, rid), "previous output")',
      'history = prev.echo["history"]',

@@ -2,6 +2,8 @@
 Llama 3.1, DeepSeek-V3, Mistral (tekken v13) and gpt-oss (harmony) (tiny:FAMILY), served by real engines, spoken to
 by the stock SDKs."""
 import json
+import re
+from typing import Literal
 
 import pytest
 
@@ -300,6 +302,70 @@ def test_reasoning_is_a_reasoning_item_on_the_responses_wire_and_a_chain_keeps_i
         assert (out.output[0].content[0].text.strip(), out.output_text.strip()) == ("hm", "ok")
     assert "response.reasoning_text.delta" in kinds and kinds[-1] == "response.completed"
     assert len(segments) == 1
+
+
+def test_a_call_cut_at_max_tokens_is_cut_on_every_wire(family):
+    """A forced call whose free-string argument runs into max_tokens: finish_reason length, stop_reason max_tokens,
+    status incomplete with its last item incomplete; never a completed call (Mistral's parser reads a call from the
+    cut text: its arguments are not JSON). Was: tool_calls / tool_use / completed."""
+    name, path, engine = family
+    free = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1000}}, "required": ["city"]}
+
+    async def main():
+        async with Server(engine, path, {"temperature": 1.0}) as srv:
+            o, a = srv.openai(), srv.anthropic()
+            chat = await o.chat.completions.create(model="m", messages=[{"role": "user", "content": "Weather?"}],
+                                                   max_tokens=40, tool_choice="required", tools=[
+                                                       {"type": "function", "function": {**WEATHER["function"],
+                                                                                         "parameters": free}}])
+            message = await a.messages.create(model="m", max_tokens=40, messages=[{"role": "user", "content": "W?"}],
+                                              tools=[{**TOOL, "input_schema": free}], tool_choice={"type": "any"})
+            response = await o.responses.create(model="m", input="Weather?", max_output_tokens=40,
+                                                tool_choice="required", tools=[{"type": "function",
+                                                                                "name": "get_weather",
+                                                                                "parameters": free}])
+            return chat.choices[0].finish_reason, message.stop_reason, response
+    finish, stop, response = run(main())
+    assert (finish, stop, response.status, response.output[-1].status) == ("length", "max_tokens", "incomplete",
+                                                                           "incomplete")
+
+
+@pytest.mark.parametrize("chained", [True, False], ids=["previous_response_id", "replayed"])
+def test_the_openai_agents_sdk_runs_a_tool_loop_in_one_segment(family, chained):
+    """The OpenAI Agents SDK's Runner, streamed, with its Responses model class: a forced call, the tool's output, an
+    answer (reasoning first where the family has it); then a second run on the first's items and a new question.
+    Chained (auto_previous_response_id: only new items go) or replayed (every item goes back as the SDK serialises
+    it: reasoning, function_call with its ids and status, outputs, messages): one segment either way. (All sampled
+    tokens are guided here, the call by its grammar and the answer by a pattern that ends it, so none trains.)"""
+    from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
+    from agents.models.openai_responses import OpenAIResponsesModel
+    name, path, engine = family
+    ends = thinking(name, path) if name in THINK else {"temperature": 1.0, "structured_outputs": {"regex": "ok"}}
+
+    @function_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:  # (an enum: a free string could run past max_tokens)
+        """Weather in a city."""
+        return "sunny"
+
+    async def main():
+        async with Server(engine, path, ends, **{"server.history": "append"}) as srv:
+            model = OpenAIResponsesModel(model="m", openai_client=srv.openai())
+            agent = Agent(name="w", model=model, tools=[get_weather], model_settings=ModelSettings(
+                tool_choice="required", max_tokens=120))
+            items, outputs = "Weather in Paris?", []
+            for question in ("Thanks. And Rome?", None):
+                result = Runner.run_streamed(agent, items, auto_previous_response_id=chained, max_turns=4,
+                                             run_config=RunConfig(tracing_disabled=True))
+                outputs.append([e.item.type async for e in result.stream_events() if e.type == "run_item_stream_event"])
+                items = result.to_input_list() + [{"role": "user", "content": question}]
+            return outputs, result.final_output, srv.session.segments
+    outputs, answer, segments = run(main())
+    steps = ["tool_call_item", "tool_call_output_item"] + ["reasoning_item"] * (name in THINK) + ["message_output_item"]
+    assert outputs == [steps, steps] and answer.strip() == "ok"
+    assert len(segments) == 1  # every request extended the tokens sampled before it
+    text = molt.Codec(path).tokenizer.decode(segments[0].tokens)
+    order = ["Weather in Paris?", "get_weather", "sunny", "ok", "Thanks. And Rome?", "get_weather", "sunny", "ok"]
+    assert re.search(".*".join(map(re.escape, order)), text, re.S)
 
 
 def test_an_edited_reasoning_is_an_edited_reply(family):

@@ -117,12 +117,17 @@ def test_bad_responses_requests_are_4xx_in_the_wire_shape(engine, tiny, body, fr
 
 
 @pytest.mark.slow
-def test_the_responses_agent_trains_two_steps(tmp_path):
-    """agents/chat_responses.py (a forced calculator call, its output by previous_response_id, free turns) for 2
-    steps: no server failure, every forced call parsed, one segment per chain, engine and trainer agree at step 1."""
+@pytest.mark.parametrize("agent, model", [("chat_responses", "tiny"), ("chat_agents_sdk", "tiny"),
+                                          ("chat_agents_sdk", "tiny:qwen3")])
+def test_a_responses_agent_trains_two_steps(agent, model, tmp_path):
+    """agents/chat_responses.py (the stock SDK's responses.create) and agents/chat_agents_sdk.py (the OpenAI Agents
+    SDK's Runner, streamed, auto_previous_response_id) for 2 steps, the latter on a real family too: a forced
+    calculator call, its output by previous_response_id, free turns; no server failure, every forced call parsed,
+    one segment (one Sample) per episode, engine and trainer agree."""
     from test_e2e import metrics, molt as run_molt
-    run_molt("--agent", "agents/chat_responses.py", "--steps", 2, "--run-dir", tmp_path / "r")
+    run_molt("--agent", f"agents/{agent}.py", "--model", model, "--steps", 2, "--run-dir", tmp_path / "r")
     m = metrics(tmp_path / "r")
     assert [x["step"] for x in m] == [1, 2]
-    assert all(x["server/5xx"] == 0 and x["server/4xx"] == 0 and x["tools/forced_parsed"] == 1.0 for x in m)
-    assert m[0]["rollout/logprob_gap"] < 1e-3
+    assert all(x["server/5xx"] == 0 and x["server/4xx"] == 0 and x["tools/forced_parsed"] == 1.0 and
+               x["tools/calls"] >= 1 and x["samples"] == x["episodes"] for x in m)
+    assert all(x["rollout/logprob_gap"] < 1e-3 for x in m)

@@ -632,8 +632,8 @@ def openai_reply_problems(body, req_body, retry=False) -> list[str]:
             p.append("200: a choice without a valid finish_reason or role")
         if not (isinstance(m.get("content"), str) or (m.get("content") is None and calls)):
             p.append("200: message content is neither text nor null beside tool calls")
-        if (c["finish_reason"] == "tool_calls") != bool(calls):
-            p.append("200: finish_reason tool_calls and the tool calls disagree")
+        if c["finish_reason"] == "tool_calls" and not calls or calls and c["finish_reason"] == "stop":
+            p.append("200: finish_reason tool_calls and the tool calls disagree")  # (a cut call is "length")
         for call in calls:
             fn = call.get("function") or {}
             if call.get("type") != "function" or not isinstance(fn.get("name"), str) or \
@@ -678,7 +678,8 @@ def anthropic_reply_problems(body, req_body) -> list[str]:
         p.append(f"200: stop_reason {body['stop_reason']!r}")
     if (body["stop_reason"] == "stop_sequence") != isinstance(body["stop_sequence"], str):
         p.append("200: stop_reason and stop_sequence disagree")
-    if (body["stop_reason"] == "tool_use") != any(b.get("type") == "tool_use" for b in body["content"]):
+    if (body["stop_reason"] == "tool_use") != any(b.get("type") == "tool_use" for b in body["content"]) and \
+            body["stop_reason"] != "max_tokens":  # (a cut call is max_tokens)
         p.append("200: stop_reason tool_use and the tool_use blocks disagree")
     u = body["usage"]
     if not (isinstance(u.get("input_tokens"), int) and isinstance(u.get("output_tokens"), int) and
