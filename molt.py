@@ -2484,7 +2484,9 @@ def decode_responses(body: dict) -> Turn:
                  "store": body.get("store") is not False, "model": body.get("model"),
                  "input": [{"id": f"item_{uuid.uuid4().hex[:24]}", "type": "message", **x} for x in items],
                  **{k: body.get(k) for k in ("instructions", "tools", "tool_choice", "text", "reasoning", "metadata",
-                                             "temperature", "top_p", "max_output_tokens", "parallel_tool_calls")}}
+                                             "temperature", "top_p", "max_output_tokens", "parallel_tool_calls",
+                                             "max_tool_calls", "prompt", "truncation", "service_tier",
+                                             "top_logprobs", "user")}}
     return turn
 
 
@@ -3047,9 +3049,11 @@ def response_body(echo: dict, model: str, output: list, r: Reply | None = None) 
             "status": status, "error": None, "output": output, "usage": usage,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "tools": echo["tools"] or [], "tool_choice": echo["tool_choice"] or "auto",
-            "parallel_tool_calls": echo["parallel_tool_calls"] is not False,
+            "parallel_tool_calls": echo["parallel_tool_calls"] is not False, "background": False,
+            "truncation": echo["truncation"] or "disabled", "service_tier": echo["service_tier"] or "auto",
+            "top_logprobs": echo["top_logprobs"] or 0,
             **{k: echo[k] for k in ("previous_response_id", "store", "instructions", "text", "reasoning", "metadata",
-                                    "temperature", "top_p", "max_output_tokens")}}
+                                    "temperature", "top_p", "max_output_tokens", "max_tool_calls", "prompt", "user")}}
 
 
 def responses_reply(replies: list[Reply], model: str, turn: Turn) -> dict:

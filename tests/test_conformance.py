@@ -1,8 +1,10 @@
-"""Section 6 against the real thing: the same requests, both wires, streamed and not, sent to Molt's loopback
-server and to vLLM's own OpenAI/Anthropic-compatible server (`vllm serve`, shipped with vllm) on the same tiny
-model. Sampling is seeded per request, so both servers sample the same tokens and their answers can be compared
-field by field: status, key sets, finish / stop reasons, text (stop strings removed), SSE event sequences. Every
-difference that remains is listed below as deliberate; a new one fails the test."""
+"""Section 7 against the real thing: the same requests on each wire (chat completions, messages, responses), streamed
+and not, sent to Molt's loopback server and to vLLM's own OpenAI/Anthropic-compatible server (`vllm serve`, shipped
+with vllm) on the same tiny model. Sampling is seeded per request (greedy where vLLM's route takes no seed), so both
+servers sample the same tokens and their answers can be compared field by field: status, key sets, finish / stop
+reasons, text (stop strings removed), SSE event sequences; on the Responses wire also a previous_response_id chain and
+a retrieval, each server continuing its own stored response. Every difference that remains is listed below as
+deliberate; a new one fails the test."""
 import asyncio
 import json
 import os
@@ -106,6 +108,55 @@ ANTHROPIC = {
     "no model": ({"messages": HELLO, "max_tokens": 4, **G}, False),
 }
 
+FLAT = {"type": "function", **WEATHER["function"]}
+CALL = [{"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+RESPONSES = {  # vLLM's Responses route has no seed: greedy, as on the Anthropic wire
+    "plain": ({"input": "Tell me a story.", "max_output_tokens": 8, **G}, False),
+    "one token": ({"input": "Tell me a story.", "max_output_tokens": 1, **G}, False),
+    "instructions": ({"instructions": "Be brief.", "input": "Tell me a story.", "max_output_tokens": 8, **G}, False),
+    "message items": ({"input": HELLO, "max_output_tokens": 8, **G}, False),
+    "input_text parts": ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "Tell me"}]}],
+                          "max_output_tokens": 8, **G}, False),
+    "turns": ({"input": [*HELLO, {"type": "message", "role": "assistant", "content": [
+        {"type": "output_text", "text": "Once."}]}, {"role": "user", "content": "More"}], "max_output_tokens": 8, **G},
+              False),
+    "developer role": ({"input": [{"role": "developer", "content": "Be brief."}, *HELLO], "max_output_tokens": 8,
+                        **G}, False),
+    "ignored fields": ({"input": "Tell me a story.", "max_output_tokens": 8, "metadata": {"a": "b"}, "user": "u",
+                        "store": False, "truncation": "disabled", "parallel_tool_calls": True, **G}, False),
+    "top_p": ({"input": "Tell me a story.", "max_output_tokens": 8, "top_p": 0.5, **G}, False),
+    "logprobs": ({"input": "Tell me a story.", "max_output_tokens": 4, "include": ["message.output_text.logprobs"],
+                  "top_logprobs": 2, **G}, False),
+    "json schema": ({"input": "Tell me a story.", "max_output_tokens": 24, "text": {"format": {
+        "type": "json_schema", "name": "city", "schema": CITY}}, **G}, False),
+    "tools auto": ({"input": "Tell me a story.", "max_output_tokens": 8, "tools": [FLAT], **G}, False),
+    "tools none": ({"input": "Tell me a story.", "max_output_tokens": 8, "tools": [FLAT], "tool_choice": "none",
+                    **G}, False),
+    "tools required": ({"input": "Tell me a story.", "max_output_tokens": 120, "tools": [FLAT],
+                        "tool_choice": "required", **G}, False),
+    "tools named": ({"input": "Tell me a story.", "max_output_tokens": 120, "tools": [FLAT], "tool_choice": {
+        "type": "function", "name": "get_weather"}, **G}, False),
+    "call and output": ({"input": CALL, "max_output_tokens": 8, "tools": [FLAT], **G}, False),
+    "previous_response_id": ({"input": "More", "previous_response_id": "@PREV@", "max_output_tokens": 8, **G}, False),
+    "stream": ({"input": "Tell me a story.", "max_output_tokens": 8, "stream": True, **G}, True),
+    "stream one token": ({"input": "Tell me a story.", "max_output_tokens": 1, "stream": True, **G}, True),
+    "stream tools named": ({"input": "Tell me a story.", "max_output_tokens": 120, "stream": True, "tools": [FLAT],
+                            "tool_choice": {"type": "function", "name": "get_weather"}, **G}, True),
+    "retrieve": ("@GET@", False),
+    "no input": ({"max_output_tokens": 4}, False),
+    "input a number": ({"input": 5, "max_output_tokens": 4}, False),
+    "unknown item": ({"input": [{"type": "hologram"}], "max_output_tokens": 4}, False),
+    "negative max_output_tokens": ({"input": "hi", "max_output_tokens": -1}, False),
+    "temperature a string": ({"input": "hi", "max_output_tokens": 4, "temperature": "hot"}, False),
+    "tools not a list": ({"input": "hi", "max_output_tokens": 4, "tools": "x"}, False),
+    "unknown previous_response_id": ({"input": "hi", "max_output_tokens": 4, "previous_response_id": "resp_nope"},
+                                     False),
+    "not json": ("{not json", False),
+    "no model": ({"input": "Tell me a story.", "max_output_tokens": 8, **G}, False),
+}
+
 
 @pytest.fixture(scope="module")
 def vllm_serve(tiny, tmp_path_factory):
@@ -114,7 +165,7 @@ def vllm_serve(tiny, tmp_path_factory):
 
 def serve(model, tmp_path_factory, *parsers):
     """vLLM's own API server on a model, in float32 like Molt's CPU engine, serving it under Molt's name, with the
-    given parser flags."""
+    given parser flags (and its Responses store on: previous_response_id and retrieval need it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -126,7 +177,8 @@ def serve(model, tmp_path_factory, *parsers):
                              # Molt's engines: guided JSON with no free whitespace
                              "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}'],
                             stdout=log,
-                            stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+                            stderr=subprocess.STDOUT, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+                                                               "VLLM_ENABLE_RESPONSES_API_STORE": "1"})
     url, t0 = f"http://127.0.0.1:{port}", time.time()
     try:
         while True:
@@ -174,7 +226,8 @@ async def send(http, url, path, body, stream, key, name):
     data = body if isinstance(body, str) else json.dumps(body)
     headers = {"content-type": "application/json", "Authorization": f"Bearer {key}", "x-api-key": key,
                "anthropic-version": "2023-06-01"}
-    async with http.post(url + path, data=data, headers=headers) as r:
+    get = body == "@GET@"  # the stored "plain" response (its id already in the path)
+    async with http.request("GET" if get else "POST", url + path, data=None if get else data, headers=headers) as r:
         text = await r.text()
         if stream and r.status == 200:
             return r.status, events(text)
@@ -235,17 +288,50 @@ def anthropic_view(status, body, stream) -> dict:
             "blocks": [(b["type"], b.get("text", b.get("thinking")), b.get("name")) for b in body["content"]]}
 
 
+def responses_view(status, body, stream) -> dict:
+    if status != 200:
+        return {"kinds": {"error": keys(body), "error.error": keys(body.get("error"))}}
+    if stream:
+        seq = []
+        for name, d in body:
+            if not seq or seq[-1] != name:
+                seq.append(name)
+        final = body[-1][1]["response"]
+        return {"kinds": {"event": frozenset().union(*(keys(d) for _, d in body)), **responses_view(
+            200, final, False)["kinds"]}, "sequence": seq, "status": final["status"],
+                "text": "".join(d["delta"] for n, d in body if n == "response.output_text.delta")}
+    out = body["output"]
+    return {"kinds": {"response": keys(body), "usage": keys(body["usage"]),
+                      **{f"item.{t}": frozenset().union(*(keys(o) for o in out if o["type"] == t))
+                         for t in {o["type"] for o in out}},
+                      **({"content": frozenset().union(*(keys(c) for o in out for c in o["content"]))}
+                         if any(o.get("content") for o in out) else {})},
+            "status": (body["status"], body["incomplete_details"]), "items": [o["type"] for o in out],
+            "text": [c.get("text") for o in out if o["type"] == "message" for c in o["content"]],
+            "calls": [o["name"] for o in out if o["type"] == "function_call"],
+            "usage": (body["usage"]["input_tokens"], body["usage"]["output_tokens"]),
+            "logprobs": [[e["token"] for e in c.get("logprobs") or []] for o in out if o["type"] == "message"
+                         for c in o["content"]]}
+
+
 async def answers(engine, tiny, vllm_url, wire, requests):
     """{name: (status from Molt, status from vLLM, Molt's view, vLLM's view)}."""
-    path, view = ("/v1/chat/completions", openai_view) if wire == "openai" else ("/v1/messages", anthropic_view)
-    out = {}
+    path, view = {"openai": ("/v1/chat/completions", openai_view), "anthropic": ("/v1/messages", anthropic_view),
+                  "responses": ("/v1/responses", responses_view)}[wire]
+    out, plain_ids = {}, {}
     async with Server(engine, tiny, {"temperature": 1.0, "max_tokens": 8}) as srv, aiohttp.ClientSession() as http:
         for name, (body, stream) in requests.items():
             if "@STOP@" in json.dumps(body):  # a stop string the seeded reply contains: its 3rd-5th characters
                 plain = out["plain"][2]["text"][0] if wire == "openai" else out["plain"][2]["blocks"][0][1]
                 body = json.loads(json.dumps(body).replace("@STOP@", json.dumps(plain[2:5])[1:-1]))
-            (ms, mb), (vs, vb) = [await send(http, url, path, body, stream, srv.ctx.api_key, name)
-                                  for url in (srv.ctx.session_url, vllm_url)]
+            answer = []
+            for url in (srv.ctx.session_url, vllm_url):  # each server continues or retrieves its own "plain"
+                b = json.loads(json.dumps(body).replace("@PREV@", plain_ids.get(url, "")))
+                answer.append(await send(http, url, path + (f"/{plain_ids[url]}" if b == "@GET@" else ""), b,
+                                         stream, srv.ctx.api_key, name))
+                if name == "plain" and wire == "responses":
+                    plain_ids[url] = answer[-1][1]["id"]
+            (ms, mb), (vs, vb) = answer
             out[name] = (ms, vs, view(ms, mb, stream), view(vs, vb, stream))
     return out
 
@@ -266,6 +352,13 @@ VLLM_EXTRAS = {
     ("anthropic", "error.error"): (frozenset(), frozenset({"code", "param"})),
     # a forced Anthropic call: Molt's is a tool_use block; vLLM's runs to max_tokens as text (below)
     ("anthropic", "block"): (frozenset({"id", "input", "name"}), frozenset({"text"})),
+    # Responses: OpenAI's Response has error and store, which vLLM leaves out; vLLM adds its extensions (the
+    # messages it rendered, transfer params, penalties)
+    ("responses", "response"): (frozenset({"error", "store"}), frozenset({
+        "ec_transfer_params", "frequency_penalty", "input_messages", "kv_transfer_params", "output_messages",
+        "presence_penalty"})),
+    ("responses", "item.message"): (frozenset(), frozenset({"phase"})),  # vLLM's, null on these models
+    ("responses", "item.function_call"): (frozenset(), frozenset({"async", "caller", "namespace"})),  # (the same)
 }
 DELIBERATE = {
     # tool_choice none: Molt offers no tool (the template renders none); vLLM still renders them into the prompt
@@ -287,17 +380,26 @@ DELIBERATE = {
     # streaming: Molt ends with an empty delta carrying finish_reason, as OpenAI's API does; vLLM puts it on the last
     # content delta
     ("openai", "stream", "sequence"), ("openai", "stream usage", "sequence"), ("openai", "stream one token", "sequence"),
+    # Responses, as on the other wires: tool_choice none offers no tool; vLLM writes a forced call (greedy) as text
+    # to max_output_tokens, a message item of an incomplete response, where Molt's is a function_call item
+    ("responses", "tools none", "usage"), ("responses", "stream tools named", "status"),
+    *[("responses", name, f) for name in ("tools required", "tools named")
+      for f in ("calls", "items", "logprobs", "status", "text", "usage")],
+    # a stream cut at max_output_tokens: Molt ends it with response.incomplete, as OpenAI's API does; vLLM with
+    # response.completed (the response it carries says incomplete in both)
+    ("responses", "stream", "sequence"), ("responses", "stream one token", "sequence"),
 }
 DELIBERATE_STATUS = {
     ("openai", "unknown role"): (400, 200),  # Molt refuses a role its templates do not know; vLLM renders it
     ("anthropic", "top_k"): (400, 200),  # not the run's top_k: the trainer could not correct the log-probs
     ("anthropic", "no model"): (200, 400),  # the session fixes the model; Molt does not insist on the field
+    ("responses", "top_p"): (400, 200),  # not the run's top_p: the trainer could not correct the log-probs
 }
 
 
-@pytest.mark.parametrize("wire", ["openai", "anthropic"])
+@pytest.mark.parametrize("wire", ["openai", "anthropic", "responses"])
 def test_molt_answers_like_vllms_own_server_but_for_listed_differences(engine, tiny, vllm_serve, wire):
-    requests = OPENAI if wire == "openai" else ANTHROPIC
+    requests = {"openai": OPENAI, "anthropic": ANTHROPIC, "responses": RESPONSES}[wire]
     assert len(requests) >= 30
     res = run(answers(engine, tiny, vllm_serve, wire, requests))
     status = {(wire, name): (ms, vs) for name, (ms, vs, _, _) in res.items() if ms != vs}
@@ -308,6 +410,8 @@ def test_molt_answers_like_vllms_own_server_but_for_listed_differences(engine, t
         if ms != vs:
             continue
         for kind in set(mv["kinds"]) | set(vv["kinds"]):
+            if wire == "responses" and not (kind in mv["kinds"] and kind in vv["kinds"]):
+                continue  # an item kind one side lacks: its items differ, which "items" compares
             x, y = mv["kinds"].get(kind, frozenset()), vv["kinds"].get(kind, frozenset())
             if x != y:  # the union over requests: no request's difference hides behind another's
                 old = keys.get((wire, kind), (frozenset(), frozenset()))
@@ -316,8 +420,13 @@ def test_molt_answers_like_vllms_own_server_but_for_listed_differences(engine, t
     assert keys == {k: v for k, v in VLLM_EXTRAS.items() if k[0] == wire}
     assert fields == {d for d in DELIBERATE if d[0] == wire}
     # the comparison has teeth: the answers it found equal hold sampled text, finish reasons and stop strings
-    plain, stop = res["plain"][2], res["stop found"][2]
-    if wire == "openai":
+    plain, stop = res["plain"][2], res.get("stop found", [0, 0, {}])[2]
+    if wire == "responses":  # the chain and the retrieval were compared too, and answered
+        assert plain["status"] == ("incomplete", {"reason": "max_output_tokens"}) and len(plain["text"][0]) >= 5
+        assert res["retrieve"][2] == plain and res["stream"][2]["text"] == plain["text"][0]
+        assert res["previous_response_id"][:2] == (200, 200) and res["previous_response_id"][2]["text"][0]
+        assert res["logprobs"][2]["logprobs"][0] and res["call and output"][:2] == (200, 200)
+    elif wire == "openai":
         assert plain["finish"] == ["length"] and len(plain["text"][0]) >= 5 and stop["finish"] == ["stop"]
         assert res["stream stop"][2]["text"] == stop["text"][0] and res["logprobs"][2]["logprobs"][0]
     else:
