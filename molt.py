@@ -2500,7 +2500,8 @@ class Session:
     choices: list = field(default_factory=list)  # [(Reply, the Sample it extended)] of the last turn
     template: dict = field(default_factory=dict)  # the last turn's chat-template variables
     errors: dict = field(default_factory=lambda: {"server/4xx": 0, "server/5xx": 0})  # answers refused or failed
-    responses: dict = field(default_factory=dict)  # Responses kept (store): id -> (Turn, Reply), RESPONSES_KEPT at most
+    responses: dict = field(default_factory=dict)  # Responses kept (store), RESPONSES_KEPT at most: id -> (Turn,
+    # Reply, its segment, the segment's length at its end)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -2655,7 +2656,7 @@ class LoopbackServer:
         output, without its instructions) before the new input, under this request's instructions."""
         if not (rid := turn.echo.get("previous_response_id")):
             return
-        prev, reply = self.kept(s, rid)
+        prev, reply, _, _ = self.kept(s, rid)
         history = prev.echo["history"] + response_messages(response_output(reply, rid), "previous output")
         turn.echo["history"] = history + turn.echo["history"]
         system = [{"role": "system", "content": turn.echo["instructions"]}] if turn.echo["instructions"] else []
@@ -2669,7 +2670,7 @@ class LoopbackServer:
         """GET /responses/{id} (the Response), its /input_items (a page of them), DELETE /responses/{id}."""
         from aiohttp import web
         s, rid = self.authorize(request), request.match_info["rid"]
-        turn, reply = self.kept(s, rid)
+        turn, reply, _, _ = self.kept(s, rid)
         if request.method == "DELETE":
             del s.responses[rid]
             return web.json_response({"id": rid, "object": "response", "deleted": True})
@@ -2734,11 +2735,14 @@ class LoopbackServer:
         """(text to tokenize, its images, the segment it extends): the one whose reply the request repeats exactly
         (earlier messages equal, that reply unedited, new messages; the template renders the old part, reply included,
         as before: gpt-oss's drops an answered turn's analysis), else None: the conversation opens a new segment."""
-        msgs, tools = turn.messages, turn.shown_tools
-        full, n = self.codec.render(msgs, tools, **turn.template), len(s.last_messages or [])
-        if len(msgs) <= n + 1 or msgs[:n] != s.last_messages or msgs[n]["role"] != "assistant":
+        msgs, tools, last, choices = turn.messages, turn.shown_tools, s.last_messages, s.choices
+        if rid := turn.echo.get("previous_response_id"):  # the stored response's turn, whatever came after it
+            prev, reply, seg, end = s.responses[rid]
+            last, choices = prev.messages, [(reply, seg)] if len(seg.tokens) == end else []  # (a branch: new)
+        full, n = self.codec.render(msgs, tools, **turn.template), len(last or [])
+        if len(msgs) <= n + 1 or msgs[:n] != last or msgs[n]["role"] != "assistant":
             return full, images, None
-        seg = next((seg for reply, seg in s.choices if canonical(msgs[n]) == canonical(reply_message(reply))), None)
+        seg = next((seg for reply, seg in choices if canonical(msgs[n]) == canonical(reply_message(reply))), None)
         prefix, new = self.codec.render(msgs[:n + 1], tools, generation=False, **turn.template), None
         before = self.codec.render(msgs[:n], tools, **turn.template)  # the reply's prompt, as rendered now
         if seg is not None and full.startswith(prefix) and prefix.startswith(before):
@@ -2776,7 +2780,7 @@ class LoopbackServer:
             choices.append((self.reply(c, turn, prompt_tokens), seg))
         s.last_messages, s.last_tools, s.choices, s.template = turn.messages, turn.tools, choices, turn.template
         if turn.echo.get("store"):  # a Responses reply, kept for previous_response_id and retrieval
-            s.responses[turn.echo["id"]] = (turn, choices[0][0])
+            s.responses[turn.echo["id"]] = (turn, *choices[0], len(choices[0][1].tokens))
             while len(s.responses) > RESPONSES_KEPT:
                 s.responses.pop(next(iter(s.responses)))
         return [reply for reply, _ in choices]
@@ -3018,7 +3022,7 @@ def response_item(kind: str, rid: str, index: int, text: str = "", call: dict | 
     prefix = {"reasoning": "rs", "message": "msg", "function_call": "fc"}[kind]
     ident, status = f"{prefix}_{rid.removeprefix('resp_')}_{index}", "completed" if done else "in_progress"
     if kind == "reasoning":
-        return {"id": ident, "type": "reasoning", "summary": [], "status": status,
+        return {"id": ident, "type": "reasoning", "summary": [], "status": status, "encrypted_content": None,
                 "content": [{"type": "reasoning_text", "text": text}] if done else []}
     if kind == "message":
         return {"id": ident, "type": "message", "role": "assistant", "status": status, "content": [
@@ -3028,9 +3032,9 @@ def response_item(kind: str, rid: str, index: int, text: str = "", call: dict | 
 
 
 def response_output(r: Reply, rid: str) -> list[dict]:
-    """A reply's output items: its reasoning, its text (or an empty one when it made no call), its calls."""
+    """A reply's output items: its reasoning, its text (an empty one when there is nothing else), its calls."""
     kinds = [("reasoning", r.reasoning, None)] * bool(r.reasoning) + [("message", r.text, None)] * bool(
-        r.text or not r.calls) + [("function_call", "", c) for c in r.calls]
+        r.text or not (r.calls or r.reasoning)) + [("function_call", "", c) for c in r.calls]
     items = [response_item(kind, rid, i, text, call) for i, (kind, text, call) in enumerate(kinds)]
     items[-1]["status"] = "incomplete" if r.finish == "length" else "completed"  # the item max_output_tokens cut
     for item in items:
@@ -3125,8 +3129,7 @@ class ResponsesEvents:
         return out + [self.event("response.output_item.done", output_index=index, item=item)]
 
     def tail(self, r: Reply):
-        out = [] if r.calls or any(x[0] == "message" for x in self.items) else \
-            self.close() + self.start("message")  # a reply with no text and no call still has its (empty) message
+        out = [] if r.calls or self.items else self.start("message")  # an empty reply still has its message
         cut = r.finish == "length"
         out += self.close(cut and not r.calls)
         for i, call in enumerate(r.calls):

@@ -169,6 +169,10 @@ MUTATIONS = [
      'finish = "length" if c.finish_reason == "length" else "tool_calls" if calls else "stop"',
      'finish = "tool_calls" if calls else "length" if c.finish_reason == "length" else "stop"',
      [f"{FM}::test_a_call_cut_at_max_tokens_is_cut_on_every_wire"]),
+    ("responses-chain-last-turn-only", "segments: a previous_response_id chain extends only the session's last turn "
+     "(after another request it re-renders from text)", 'if rid := turn.echo.get("previous_response_id"):  # the stored',
+     'if False and (rid := turn.echo.get("previous_response_id")):  # the stored',
+     ["tests/test_responses.py::test_a_chain_continues_its_own_response_whatever_came_between"]),
     ("responses-chain-drops-output", "state: previous_response_id restores the earlier input but not the reply",
      'history = prev.echo["history"] + response_messages(response_output(reply, rid), "previous output")',
      'history = prev.echo["history"]',

@@ -297,15 +297,15 @@ def responses_view(status, body, stream) -> dict:
             if not seq or seq[-1] != name:
                 seq.append(name)
         final = body[-1][1]["response"]
-        return {"kinds": {"event": frozenset().union(*(keys(d) for _, d in body)), **responses_view(
-            200, final, False)["kinds"]}, "sequence": seq, "status": final["status"],
+        return {"kinds": {**{f"event.{n}": frozenset().union(*(keys(d) for m, d in body if m == n)) for n in seq},
+                          **responses_view(200, final, False)["kinds"]}, "sequence": seq, "status": final["status"],
                 "text": "".join(d["delta"] for n, d in body if n == "response.output_text.delta")}
     out = body["output"]
     return {"kinds": {"response": keys(body), "usage": keys(body["usage"]),
                       **{f"item.{t}": frozenset().union(*(keys(o) for o in out if o["type"] == t))
                          for t in {o["type"] for o in out}},
-                      **({"content": frozenset().union(*(keys(c) for o in out for c in o["content"]))}
-                         if any(o.get("content") for o in out) else {})},
+                      **{f"content.{o['type']}": frozenset().union(*(keys(c) for c in o["content"])) for o in out
+                         if o.get("content")}},
             "status": (body["status"], body["incomplete_details"]), "items": [o["type"] for o in out],
             "text": [c.get("text") for o in out if o["type"] == "message" for c in o["content"]],
             "calls": [o["name"] for o in out if o["type"] == "function_call"],

@@ -23,7 +23,7 @@ def test_a_replys_output_items_read_back_as_the_reply(text, reasoning, calls):
     r = molt.Reply(id="x", text=text, reasoning=reasoning, finish="stop", ids=[1], prompt_tokens=1,
                    calls=[{"id": f"call_{k}", "name": "f", "arguments": '{"a": 1}'} for k in range(calls)])
     items = molt.response_output(r, "resp_1")
-    assert [i["type"] for i in items] == ["reasoning"] * bool(reasoning) + ["message"] * bool(text or not calls) + \
+    assert [i["type"] for i in items] == ["reasoning"] * bool(reasoning) + ["message"] * bool(text or not (calls or reasoning)) + \
         ["function_call"] * calls and len({i["id"] for i in items}) == len(items)
     [m] = molt.response_messages(items)
     assert molt.canonical(m) == molt.canonical(molt.reply_message(r))
@@ -68,6 +68,27 @@ def test_a_chain_of_responses_is_one_segment_streamed_or_not_and_kept_per_sessio
     assert [i.content[0].text for i in items.data] == ["more"]
     assert all(m["message"].startswith("Response with id") for m in missing)  # (the SDK unwraps "error")
     assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
+
+
+def test_a_chain_continues_its_own_response_whatever_came_between(engine, tiny):
+    """previous_response_id names the response to continue, not the session's last turn: after a request of another
+    conversation the chain still extends the stored response's tokens (was: re-rendered from text, a new segment);
+    a second continuation of the same response (a branch) opens a segment of its own and leaves the first alone."""
+    async def main():
+        async with Server(engine, tiny, ENDS) as srv:
+            c = srv.openai()
+            r1 = await c.responses.create(model="m", input="hi")
+            await c.responses.create(model="m", input="something else")
+            await c.responses.create(model="m", input="more", previous_response_id=r1.id)
+            chained = [list(seg.tokens) for seg in srv.session.segments]
+            await c.responses.create(model="m", input="instead", previous_response_id=r1.id)
+            return chained, srv.session.segments, srv.pool.router.prompts
+    chained, segments, prompts = run(main())
+    assert len(chained) == 2 and prompts[2][:len(prompts[0])] == prompts[0] and \
+        chained[0][:len(prompts[2])] == prompts[2]  # the chain: r1's prompt, r1's sampled reply, then "more"
+    assert len(segments) == 3 and list(segments[0].tokens) == chained[0]  # the branch: a segment of its own
+    assert "instead" in molt.Codec(tiny).tokenizer.decode(prompts[3]) and "more" not in \
+        molt.Codec(tiny).tokenizer.decode(prompts[3])
 
 
 def test_a_forced_call_its_output_and_a_replayed_input_extend_the_segment(engine, tiny):
