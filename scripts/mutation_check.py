@@ -48,7 +48,7 @@ MUTATIONS = [
      "self.mask += [int(sampled)] * len(ids)", "self.mask += [1] * len(ids)",
      [f"{AG}::test_env_engine_input_is_the_rendered_conversation_with_the_sampled_ids"]),
     ("history-check", "segments: an edited history is treated as a continuation",
-     "msgs[:n] != s.last_messages or ", "",
+     "msgs[:n] != last or ", "",
      [f"{AG}::test_a_rewritten_history_opens_a_token_exact_segment"]),
     # -- policy versions and staleness -----------------------------------------------------------------------------
     ("turn-versions", "versions: a Sample drops the engine's per-token versions",
