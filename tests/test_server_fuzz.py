@@ -688,13 +688,21 @@ def anthropic_reply_problems(body, req_body) -> list[str]:
     return p
 
 
-def anthropic_stream_problems(events) -> list[str]:
+def named_events(events) -> tuple[list, list, list[str]]:
+    """A stream of named events (Anthropic's, Responses'): (names, datas, the first problem both wires share)."""
     names = [n for n, _ in events]
     datas = [json.loads(d) for _, d in events]
     if "error" in names:
-        return ["200 stream: carries an error event (a refused request answered 200)"]
+        return names, datas, ["200 stream: carries an error event (a refused request answered 200)"]
     if any(d.get("type") != n for n, d in zip(names, datas)):
-        return ["200 stream: an event whose data type differs from its name"]
+        return names, datas, ["200 stream: an event whose data type differs from its name"]
+    return names, datas, []
+
+
+def anthropic_stream_problems(events) -> list[str]:
+    names, datas, p = named_events(events)
+    if p:
+        return p
     if names[:1] != ["message_start"] or names[-2:] != ["message_delta", "message_stop"]:
         return [f"200 stream: event order {names[:3]}...{names[-3:]}"]
     p, open_index, next_index = [], None, 0
@@ -743,12 +751,9 @@ def responses_reply_problems(body, req_body) -> list[str]:
 
 
 def responses_stream_problems(events, req_body) -> list[str]:
-    names = [n for n, _ in events]
-    datas = [json.loads(d) for _, d in events]
-    if "error" in names:
-        return ["200 stream: carries an error event (a refused request answered 200)"]
-    if any(d.get("type") != n for n, d in zip(names, datas)):
-        return ["200 stream: an event whose data type differs from its name"]
+    names, datas, p = named_events(events)
+    if p:
+        return p
     if [d.get("sequence_number") for d in datas] != list(range(len(datas))):
         return ["200 stream: sequence numbers are not 0, 1, 2, ..."]
     if names[:2] != ["response.created", "response.in_progress"] or \
@@ -869,8 +874,8 @@ class Campaign:
             problems = error_problems(req.wire, status, ctype, text)
             if before != after:
                 problems.append(f"{status}: a refused request changed the recorded session")
-            no_route = req.endpoint == "stored" and text.startswith('{"error": {"message": "Not Found: ') or \
-                text.startswith('{"error": {"message": "Method Not Allowed: ')  # aiohttp's, before any key is read
+            no_route = req.endpoint == "stored" and text.startswith(tuple(  # aiohttp's, before any key is read
+                '{"error": {"message": "' + x for x in ("Not Found: ", "Method Not Allowed: ")))
             if (req.method == "POST" or req.endpoint == "stored") and not no_route and \
                     status != {"bogus": 404, "none": 401}.get(req.sid, 401 if bad_key else status):
                 problems.append(f"{status}: a bad key or session was answered {status}, not 401 / 404")
