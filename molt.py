@@ -1723,8 +1723,11 @@ HARMONY = ("openai", "openai_gptoss")  # gpt-oss's parsers: vLLM's HarmonyParser
 # which also allows other headers and an analysis first.
 CALL_TAGS = {"mistral": ("[TOOL_CALLS]{name}[ARGS]", ""),
              "openai": (" to=functions.{name}<|channel|>commentary json<|message|>", "")}
-# gpt-oss ends a call with <|call|>, one of its stop tokens; xgrammar forbids stop tokens inside a grammar and allows
-# any of them once it ends, so a forced call's other stop tokens are biased away (guided tokens train only as context).
+# xgrammar matches an added token by its text, so a guided JSON string may hold one (a weak policy wrote </tool_call>
+# inside the arguments, and the hermes parser cut the call there: no call). A forced call biases every added token
+# away but the stop tokens: the tag's own are required by id, so the grammar still leaves them the only choice, and
+# xgrammar allows stop tokens only once the call ends. gpt-oss ends a call with <|call|>: its other stop tokens are
+# biased away too (guided tokens train only as context).
 CALL_STOPS_AVOIDED = {"openai": ("<|return|>", "<|endoftext|>")}
 
 
@@ -1744,7 +1747,7 @@ class ReplyParser:
     model's own call format. tool and reasoning name the parsers ("none": the model has none of that kind); cls is
     vLLM's Parser class composing them (None when both are none)."""
 
-    def __init__(self, cfg: "ServerConfig", tokenizer):
+    def __init__(self, cfg: "ServerConfig", tokenizer, stop_ids=frozenset()):
         from vllm.parser.parser_manager import ParserManager
         from vllm.reasoning import ReasoningParserManager
         from vllm.tool_parsers import ToolParserManager
@@ -1765,6 +1768,8 @@ class ReplyParser:
                                             tool_strict_level="parameter")  # forced arguments fit the schema
         added = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if len(t.content) > 1}
         self.added = re.compile(trie_pattern(list(added)) or "(?!)"), added  # what a forced call's markers must be
+        ends = set(stop_ids) - {added[t] for t in CALL_STOPS_AVOIDED.get(self.tool, ()) if t in added}
+        self.avoided = {i: -100 for i in added.values() if i not in ends}  # in a forced call (CALL_STOPS_AVOIDED)
 
     def active(self, turn: Turn) -> bool:
         """Whether the turn's reply goes through vLLM's parser: the model has a reasoning parser, or tools are offered
@@ -1800,9 +1805,8 @@ class ReplyParser:
                 _require(guided is not None and guided.structural_tag,
                          f"vLLM's {self.tool} parser cannot force a tool call")
                 tag = json.loads(guided.structural_tag)
-            avoided = {self.added[1][t]: -100 for t in CALL_STOPS_AVOIDED.get(self.tool, ())}
             return {"structured_outputs": {"structural_tag": json.dumps(strict_tag(tag, self.added))},
-                    **({"logit_bias": avoided} if avoided else {})}
+                    **({"logit_bias": self.avoided} if self.avoided else {})}
         except (RuntimeError, ValueError) as err:  # xgrammar refuses the tool's schema
             raise WireError(400, f"tool_choice: the tool's schema cannot guide a call ({str(err).strip()[:300]})")
 
@@ -2529,7 +2533,7 @@ class LoopbackServer:
         self.port, self._runner, self._listener, self.connections = None, None, None, set()
         self._starting = asyncio.Lock()
         self.key = "sk-molt-" + secrets.token_hex(16)  # for the unrecorded route (judges, helpers)
-        self.parser = ReplyParser(cfg.server, codec.tokenizer)
+        self.parser = ReplyParser(cfg.server, codec.tokenizer, codec.stop_ids)
 
     async def start(self):
         from aiohttp import web
@@ -3186,6 +3190,7 @@ class Batch:
     """One training step's Samples, with the rollout counters (drops, failures) gathered while they were made."""
     samples: list[Sample]
     counts: dict[str, float] = field(default_factory=dict)
+    infos: list[dict] = field(default_factory=list)  # Result.info of every episode finished meanwhile, trained or not
 
 
 def row_images(d: DataConfig, row: dict, codec: Codec) -> list:
@@ -3333,6 +3338,7 @@ class RolloutManager:
         self.finished: list[list[Sample]] = list(state.get("finished", []))  # ready to train on, oldest first
         self.pending = [tuple(p) for p in state.get("unfinished", [])]  # (row, epoch) drawn, not finished: redo first
         self.counts: dict[str, float] = dict(state.get("counts", {}))
+        self.infos: list[dict] = list(state.get("infos", []))  # of the episodes finished since the last batch
         self.order = self.shuffled(self.epoch)
         self.tasks, self.waiting, self.next_pool = {}, 0, 0
         self.changed = asyncio.Event()
@@ -3402,7 +3408,10 @@ class RolloutManager:
         self.counts[key] = self.counts.get(key, 0) + n
 
     def keep(self, out: GroupOut) -> list[Sample] | None:
-        """Drop what cannot be trained on, counted by reason; None drops the whole group."""
+        """Drop what cannot be trained on, counted by reason; None drops the whole group. Every finished episode's
+        info is kept for the step's metrics first: an episode that ends on a guided turn (no action token) is dropped
+        here, and averaging over the trained ones only would hide it (a forced call that never parsed)."""
+        self.infos += list({s.rollout_id: s.info for s in out.samples}.values())
         for kind, n in out.failures.items():
             self.count(f"rollout/failed/{kind}", n)
         for kind, n in out.dropped.items():
@@ -3448,8 +3457,8 @@ class RolloutManager:
         batch, self.finished = self.finished[:ro.batch_size], self.finished[ro.batch_size:]
         batch.sort(key=lambda g: (g[0].epoch, g[0].prompt_index))  # groups finish in any order; a step's does not
         self.fill()
-        counts, self.counts = self.counts, {}
-        return Batch([s for g in batch for s in g], counts)
+        (counts, self.counts), (infos, self.infos) = (self.counts, {}), (self.infos, [])
+        return Batch([s for g in batch for s in g], counts, infos)
 
     async def stall_report(self) -> str:
         """What is stuck when no trainable group arrived for --rollout.stall-timeout: the data, the engines, or the
@@ -3487,7 +3496,7 @@ class RolloutManager:
         but not trained (Samples with their tokens, log-probs and versions), the prompts in flight (re-issued on
         resume) and the counters not reported yet."""
         return {"epoch": self.epoch, "cursor": self.cursor, "unfinished": self.pending + list(self.tasks.values()),
-                "finished": list(self.finished), "counts": dict(self.counts), "rows": len(self.rows)}
+                "finished": list(self.finished), "counts": dict(self.counts), "infos": list(self.infos), "rows": len(self.rows)}
 
     async def evaluate(self, rows: list[dict], n: int) -> dict:
         """Every eval prompt once, n samples each, with the eval sampling settings, on the pools still alive: mean
@@ -3917,19 +3926,20 @@ def learn(cfg: Config, models: dict, samples: list[Sample]) -> dict:
 # ======================================================================================================
 
 
-def step_metrics(samples: list[Sample], version: int) -> dict:
+def step_metrics(samples: list[Sample], version: int, infos: list[dict] = ()) -> dict:
     """What the batch looked like: rewards (each episode once), tokens, staleness, finish reasons, and the numbers
-    agents report in Result.info: their mean over episodes, except counters under reward/ (a grader's timeouts or
-    unparsed answers), which are summed."""
+    agents report in Result.info: their mean over every episode finished since the last step (infos; trained or
+    dropped; the batch's own without them), except counters under reward/ (a grader's timeouts or unparsed answers),
+    which are summed."""
     episodes = {s.rollout_id: s.reward for s in samples}
-    infos = list({s.rollout_id: s.info for s in samples}.values())
+    infos = list(infos) or list({s.rollout_id: s.info for s in samples}.values())
     stale = [version - oldest_version(s) for s in samples]
     reported = {}
     for key in {k for info in infos for k in info}:
         values = [info[key] for info in infos if key in info]
         reported[key] = sum(values) if key.startswith("reward/") else sum(values) / len(values)
     return {**reported, "reward/mean": sum(episodes.values()) / len(episodes), "samples": len(samples),
-            "episodes": len(episodes), "tokens/generated": sum(sum(s.mask) for s in samples),
+            "episodes": len(episodes), "episodes/finished": len(infos), "tokens/generated": sum(sum(s.mask) for s in samples),
             "tokens/total": sum(len(s.tokens) for s in samples), "rollout/staleness_max": max(stale),
             "rollout/staleness_mean": sum(stale) / len(stale),
             "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples)}
@@ -3974,7 +3984,8 @@ def rl_main(cfg: Config):
         if batch is None:
             break
         t1 = time.perf_counter()
-        metrics = {**step_metrics(batch.samples, step), **batch.counts, **learn(cfg, models, batch.samples)}
+        metrics = {**step_metrics(batch.samples, step, batch.infos), **batch.counts,
+                   **learn(cfg, models, batch.samples)}
         t2 = time.perf_counter()
         step += 1  # the policy is now version `step`; every token sampled from here on says so
         sync.wait()  # the previous update, hidden behind this step's training
@@ -5293,7 +5304,8 @@ def resumed_rollout(ckpt: Path | None, data_changed: bool) -> dict | None:
         return None
     rollout = pickle.loads((ckpt / "rollout_state.pkl").read_bytes())
     if data_changed:
-        rollout = {"epoch": rollout["epoch"] + 1, "finished": rollout["finished"], "counts": rollout["counts"]}
+        rollout = {"epoch": rollout["epoch"] + 1, "finished": rollout["finished"], "counts": rollout["counts"],
+                   "infos": rollout.get("infos", [])}
     return rollout
 
 

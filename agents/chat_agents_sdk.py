@@ -11,6 +11,7 @@ policy ran out of room; every turn up to it is recorded). Any other failure is t
 """
 import json
 import os
+from typing import Annotated
 
 import molt
 from molt import ChatAgent, ChatAgentRunner, Result
@@ -27,9 +28,10 @@ class CalculatorAgentsSDK(ChatAgent):
         from agents import Agent, ModelSettings, RunConfig, Runner, function_tool
         from agents.exceptions import MaxTurnsExceeded, ModelBehaviorError
         from agents.models.openai_responses import OpenAIResponsesModel
+        from pydantic import Field
 
         @function_tool
-        def calculate(expression: str) -> str:
+        def calculate(expression: Annotated[str, Field(pattern=tools_agent.EXPRESSION)]) -> str:
             """Evaluate an arithmetic expression: numbers, + - * / and parentheses."""
             return tools_agent.calculate(json.dumps({"expression": expression}))
 

@@ -17,10 +17,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 grader = molt.import_path(os.path.join(HERE, "..", "rewards", "math_grader.py"))
 
 DEFAULTS = {"data.path": os.path.join(HERE, "..", "examples", "math_tiny.jsonl"), "rollout.max_turns": 3,
-            "rollout.max_new_tokens": 64, "rollout.n_samples_per_prompt": 4, "rollout.batch_size": 4, "steps": 4}
+            "rollout.max_new_tokens": 96, "rollout.n_samples_per_prompt": 4, "rollout.batch_size": 4, "steps": 4}
+# 96 tokens: room for the forced call, whose expression the schema holds to 32 characters (the call is 90 tokens at
+# most on tiny's character vocabulary, 50 on Qwen3's)
+EXPRESSION = r"^[0-9+*/(). -]{1,32}$"  # what the calculator reads, short: a forced call is guided to fit it and end
 CALCULATOR = {"type": "function", "function": {
     "name": "calculate", "description": "Evaluate an arithmetic expression: numbers, + - * / and parentheses.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string", "pattern": EXPRESSION}},
+                   "required": ["expression"]}}}
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
              ast.USub: operator.neg, ast.UAdd: operator.pos}
 

@@ -116,6 +116,27 @@ def test_content_blocks_reach_a_string_template_as_text(family):
     assert status == 400 and body["type"] == "error"  # a text-only model refuses images, in the wire's shape
 
 
+CALL_ENDS = {"tiny": "<|im_end|>", "qwen3": "<|im_end|>", "llama3.1": "<|eot_id|>",
+             "deepseek-v3": "<｜end▁of▁sentence｜>", "mistral": "</s>", "gpt-oss": "<|call|>"}
+
+
+@pytest.mark.parametrize("name", ["tiny"] + FAMILIES)
+def test_a_forced_call_can_sample_no_added_token_but_the_stop_that_ends_it(name):
+    """xgrammar matches an added token by its text, so a guided JSON string could hold one: </tool_call> inside the
+    arguments, where the hermes parser cuts the call (seen: 3 in 10 forced calls of tiny unparsed at finish stop).
+    A forced call biases every added token away but the stop token its reply ends at; the tag's own markers stay
+    reachable because the tag requires them by id (where the grammar allows nothing else)."""
+    codec = molt.Codec(molt.resolve_model(name if name == "tiny" else "tiny:" + name))
+    parser = molt.ReplyParser(molt.ServerConfig(), codec.tokenizer, codec.stop_ids)
+    turn = molt.Turn([{"role": "user", "content": "hi"}], [WEATHER], False, False, {}, tool_choice="required")
+    bias = parser.forced(turn)["logit_bias"]
+    added = parser.added[1]
+    assert set(added.values()) - set(bias) == {added[CALL_ENDS[name]]} and set(bias.values()) == {-100}
+    tag = json.loads(parser.forced(turn)["structured_outputs"]["structural_tag"])
+    markers = {int(t) for t in re.findall(r'"token": (\d+)', json.dumps(tag))}  # Llama 3.1's call is bare JSON
+    assert (markers or name == "llama3.1") and markers <= set(bias)  # <tool_call>, </tool_call>: required by the tag
+
+
 @pytest.mark.parametrize("wire", ["openai", "anthropic"])
 def test_a_tool_episode_as_agent_code_for_a_real_model_writes_it(family, wire):
     """A forced call comes back as a parsed call in the family's own format (vLLM's parser for it); the reply is sent
@@ -430,7 +451,8 @@ def test_a_tool_agent_trains_two_steps_on_each_family_with_no_server_failure(nam
              "--dump-samples", "--train.micro-batch-size", 4)
     m = metrics(tmp_path / "r")
     assert [x["step"] for x in m] == [1, 2]
-    assert all(x["server/5xx"] == 0 and x["tools/forced_parsed"] == 1.0 for x in m)  # every episode's
+    # every episode's forced call, trained or dropped (was averaged over the trained ones: survivorship)
+    assert all(x["server/5xx"] == 0 and x["tools/forced_parsed"] == 1.0 and x["episodes/finished"] >= 16 for x in m)
     assert m[0]["rollout/logprob_gap"] < 1e-3
     samples = dumped(tmp_path / "r", 2)
     dom = render(view(tmp_path / "r"), "step=2&sample=0", f"view-{name}")

@@ -150,5 +150,6 @@ def test_a_responses_agent_trains_two_steps(agent, model, tmp_path):
     m = metrics(tmp_path / "r")
     assert [x["step"] for x in m] == [1, 2]
     assert all(x["server/5xx"] == 0 and x["server/4xx"] == 0 and x["tools/forced_parsed"] == 1.0 and
-               x["tools/calls"] >= 1 and x["samples"] == x["episodes"] for x in m)
+               x["tools/calls"] >= 1 and x["samples"] == x["episodes"] for x in m)  # forced: over every episode
+    assert all(x["episodes/finished"] >= x["episodes"] for x in m)  # finished, trained or dropped
     assert all(x["rollout/logprob_gap"] < 1e-3 for x in m)

@@ -31,8 +31,12 @@ class FakePool:
         for k in range(n):
             s = molt.Sample(group_id=group_id, rollout_id=f"{group_id}-{k}", prompt_index=index, epoch=epoch)
             s.add_context([5, 6])
-            s.add_turn(molt.Completion([7], [-0.5], [row.get("version", 0)], "stop"))
+            if k in row.get("guided", ()):  # the episode ended on a guided turn (context only): nothing to train on
+                s.add_context([7])
+            else:
+                s.add_turn(molt.Completion([7], [-0.5], [row.get("version", 0)], "stop"))
             s.reward = s.score = row.get("rewards", [1.0] * n)[k]
+            s.info = {"tools/forced_parsed": float(k not in row.get("guided", ()))}
             out.append(s)
         return molt.GroupOut(out, {})
 
@@ -138,3 +142,17 @@ def test_a_bad_row_or_a_dead_pool_costs_that_work_only():
     assert out["eval/failed"] == 0 and out["eval/reward_mean"] == 1.0
     m.keep(molt.GroupOut([], {}, 0, {"bad_row": 1}))
     assert m.counts["rollout/dropped/bad_row"] == 1
+
+
+def test_agent_metrics_count_every_finished_episode_not_only_the_trained():
+    """An episode that ends on a guided turn (a forced call that never parsed) has no action token and is dropped
+    before training; the agents' info metrics still average over it (else tools/forced_parsed reads 1.0 while most
+    forced calls failed), and episodes/finished says how many there were."""
+    m = manager(rows(6, guided=[1]), **{"data.shuffle": False})
+    [b] = batches(m, 1)
+    assert len(b.samples) == 2 and all(any(s.mask) for s in b.samples)  # one trained episode per group
+    metrics = molt.step_metrics(b.samples, 0, b.infos)
+    assert metrics["episodes"] == 2 and metrics["episodes/finished"] == len(b.infos) >= 4
+    assert metrics["tools/forced_parsed"] == 0.5  # over the trained ones only: 1.0
+    assert b.counts["rollout/dropped/no_action_tokens"] == len(b.infos) / 2
+    assert m.state()["infos"] == m.infos  # what finished after this batch goes into the checkpoint
