@@ -173,6 +173,17 @@ class TrainConfig:
     routing_capture: bool = _f(False, "MoE: capture the engine's expert choices and report moe/routing_mismatch "
                                "without replaying them (CUDA only)")
     sync_bucket_mb: int = _f(512, "weight-sync bucket size, MiB")
+    lora_rank: int = _f(0, "train LoRA adapters of this rank (PEFT) instead of the weights: the engines sample through "
+                        "the adapter and a weight sync sends only it; checkpoints are PEFT adapter directories (0: "
+                        "full fine-tuning)")
+    lora_alpha: float = _f(16.0, "LoRA scale numerator: the adapter adds alpha / rank * B @ A")
+    lora_dropout: float = _f(0.0, "LoRA dropout on the adapter's input while training (above 0 the trainer's forward "
+                             "is not the engine's)")
+    lora_targets: str = _f("all-linear", "LoRA target modules, comma-separated: names (q_proj,v_proj; embed_tokens and "
+                           "lm_head where vLLM adapts them: Llama, Qwen) and all-linear (every linear layer of the "
+                           "language model but the output head)")
+    lora_merge_on_save: bool = _f(False, "checkpoints also hold the merged model (W + alpha / rank * B @ A), an HF "
+                                  "model directory, in merged/")
     save_every: int = _f(0, "checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = _f(2, "checkpoints kept (oldest deleted first)")
 
@@ -182,8 +193,10 @@ class AlgoConfig:
     estimator: str = _f("grpo", "advantage estimator", choices=(
         "reinforce", "reinforce_baseline", "rloo", "grpo", "dr_grpo", "gae", "on_policy_distill"))
     loss: str = _f("ppo", "policy loss", choices=("ppo", "gspo", "cispo"))
-    loss_agg: str = _f(None, "loss aggregation: token-mean over the batch, or seq (mean over sequences of their "
-                       "token-mean); default: the loss's own (see LOSS_DEFAULTS)", choices=("token", "seq"), type=str)
+    loss_agg: str = _f(None, "loss aggregation: token (token-mean over the batch), seq (seq-mean-token-mean: the mean "
+                       "over sequences of their token-mean) or prompt (prompt-mean-token-mean: the mean over prompt "
+                       "groups of each group's token-mean); default: the loss's own (see LOSS_DEFAULTS)",
+                       choices=("token", "seq", "prompt"), type=str)
     clip_low: float = _f(None, "PPO/GSPO ratio clip below 1; default: the loss's own (ppo 0.2, gspo 3e-4)", type=float)
     clip_high: float = _f(None, "PPO/GSPO ratio clip above 1, CISPO's absolute ceiling on the IS weight; default: the "
                           "loss's own (ppo 0.28, gspo 4e-4, cispo 5)", type=float)
@@ -195,6 +208,11 @@ class AlgoConfig:
     gamma: float = _f(1.0, "discount (reinforce, gae)")
     lam: float = _f(0.95, "GAE lambda")
     reward_clip: float = _f(10.0, "rewards are clipped to [-c, c] before the estimator (0 = off)")
+    overlong_buffer: int = _f(0, "DAPO's overlong penalty: an episode whose longest reply L comes within this many "
+                              "tokens of --rollout.max-new-tokens (Lmax) gets ((Lmax - buffer) - L) / buffer added, "
+                              "down to -1 at Lmax (0 = off)")
+    stop_penalty: float = _f(1.0, "ProRL's stop-properly penalty: an episode whose last reply was cut off at the token "
+                             "limit (no stop) has its reward multiplied by this (1 = off, 0 zeroes it)")
     is_level: str = _f("token", "train/rollout importance-sampling correction level", choices=("off", "token", "seq", "geo"))
     is_mode: str = _f("trunc", "what happens outside [is_low, is_high]", choices=("mask", "clip", "trunc"))
     is_low: float = _f(0.5, "lower band of the train/rollout ratio")
@@ -527,13 +545,50 @@ def check_launch(cfg: Config, model_path: str, gpus: float):
                          "AutoModel's Gate has no per-token replay hook here: add --train.backend hf")
     if cfg.ref.model:
         check_same_tokenizer(model_path, resolve_model(cfg.ref.model))
+    check_lora(cfg, model_path, bool(gpus))
     if not cfg.agent and not ESTIMATORS[cfg.algo.estimator].teacher and not cfg.offline_samples:
         raise UsageError("--agent is required (a module exporting AgentRunner)")
 
 
 def is_vlm(model_path: str) -> bool:
     from transformers import AutoConfig
-    return hasattr(AutoConfig.from_pretrained(model_path), "vision_config")
+    return hasattr(AutoConfig.from_pretrained(lora_base(model_path)), "vision_config")
+
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's allowed max_lora_rank values (config/lora.py)
+
+
+def check_lora(cfg: Config, model_path: str, cuda: bool):
+    """What LoRA cannot do here, refused at launch with the flag that asks for it."""
+    from transformers import AutoConfig
+    t, adapter = cfg.train, lora_base(model_path) != model_path
+    if adapter and not t.lora_rank:
+        raise UsageError(f"--model {cfg.model} is a LoRA adapter directory: pass --train.lora-rank (its rank) to train "
+                         "it on, or merge it into its base model (--train.lora-merge-on-save writes one)")
+    if not t.lora_rank:
+        return
+    hf = AutoConfig.from_pretrained(lora_base(model_path))
+    for bad, why in ((t.lora_rank > LORA_RANKS[-1], f"--train.lora-rank {t.lora_rank}: above vLLM's largest "
+                      f"max_lora_rank ({LORA_RANKS[-1]})"),
+                     (t.backend == "automodel", "--train.lora-rank trains through PEFT on the transformers backend: "
+                      "use --train.backend hf (or auto)"),
+                     (is_moe(hf), "--train.lora-rank: MoE models are not supported with LoRA (vLLM has no CPU kernel "
+                      "for adapters on fused experts, and routing replay needs the routers untouched)"),
+                     (hasattr(hf, "vision_config"), "--train.lora-rank: text models only for now (all-linear would "
+                      "reach the vision tower, which vLLM does not adapt)"),
+                     (t.lora_merge_on_save and getattr(hf, "tie_word_embeddings", False) and
+                      {"embed_tokens", "lm_head"} & {m.strip() for m in t.lora_targets.split(",")},
+                      "--train.lora-merge-on-save: an adapter on the embeddings or the head of a model whose head is "
+                      "tied to them has no merged form (save the adapter, or untie the head)")):
+        if bad:
+            raise UsageError(why)
+
+
+def lora_base(path: str) -> str:
+    """A LoRA run's checkpoint (or an adapter given as --model) is a PEFT adapter directory; its base model is what
+    its adapter_config.json names."""
+    f = Path(path) / "adapter_config.json"
+    return json.loads(f.read_text())["base_model_name_or_path"] if f.is_file() else path
 
 
 def check_same_tokenizer(student: str, teacher: str):
@@ -1021,6 +1076,8 @@ def engine_args(cfg: Config, model_path: str, index: int):
     else:
         kw["kv_cache_memory_bytes"] = int(cfg.engine.kv_cache_gb * 2**30)
         kw.update(vllm_cpu_worker_in_core(cfg))
+    if cfg.train.lora_rank:  # one adapter slot: every request samples through the policy's one adapter
+        kw.update(enable_lora=True, max_loras=1, max_lora_rank=min(r for r in LORA_RANKS if r >= cfg.train.lora_rank))
     if is_vlm(model_path):
         # No prefix caching for a VLM on vllm 0.32: a request whose image lies in a cached prefix reaches the worker
         # without its pixels (strip_covered_mm_data), and when a weight update preempts it the recompute needs them
@@ -1076,7 +1133,9 @@ class EngineActor:
         xgrammar_no_compile_cache()
         self.engine = AsyncLLM.from_engine_args(engine_args(cfg, model_path, index))
         self.resumed = asyncio.Event()
-        self.resumed.set()
+        self.lora = None  # LoRA: the adapter every request samples through, from the first sync on (§15)
+        if not cfg.train.lora_rank:  # with LoRA, requests wait for the first adapter: none may sample the bare base
+            self.resumed.set()
         self.aborting, self.tokens_discarded, self.requests, self.generated, self.inflight = False, 0, 0, 0, 0
         self.shm = None  # weight buffers of its own, only on a node without a trainer (§15)
 
@@ -1164,7 +1223,8 @@ class EngineActor:
         """vLLM's output stream for one request, folded into state[sample index] = Completion (and state["prompt"]
         = the prompt ids it used); yields (sample index, new token ids) per delta."""
         try:
-            async for out in self.engine.generate(self.engine_prompt(ids, images), params, request_id=uuid.uuid4().hex):
+            async for out in self.engine.generate(self.engine_prompt(ids, images), params, request_id=uuid.uuid4().hex,
+                                                  lora_request=self.lora):
                 state["prompt"] = out.prompt_token_ids
                 for c in out.outputs:  # deltas; with n > 1 each child streams on its own index
                     _absorb(state.setdefault(c.index, Completion()), c, params.logprobs)
@@ -1209,8 +1269,13 @@ class EngineActor:
         report = {"engine": self.index, "version": version, "missing": None, "failed": None}
         try:
             files = await self.stage(source, where)
+            if "adapter" in source:  # loaded whole or not at all: vLLM reads an adapter before it replaces the old
+                await self.load_adapter(files[0], source["adapter"])
+                await self.resume(version)
+                return {**report, "tokens_discarded": self.tokens_discarded}
         except Exception as err:  # noqa: BLE001 - nothing was loaded: the old weights and label stay true
-            await self.resume(self.version)
+            if self.lora or not self.cfg.train.lora_rank:  # (with LoRA and no adapter yet, requests keep waiting)
+                await self.resume(self.version)
             return {**report, "version": self.version, "failed": f"{type(err).__name__}: {err}",
                     "tokens_discarded": self.tokens_discarded}
         for attempt in (1, 2):
@@ -1225,6 +1290,22 @@ class EngineActor:
                            "now partly new, so this engine leaves the run")
         await self.resume(version)
         return {**report, "tokens_discarded": self.tokens_discarded}
+
+    async def load_adapter(self, file: str, config: dict):
+        """LoRA: the adapter into vLLM's one slot, in place (load_inplace) under the one id every request carries, those
+        paused in flight included, so what they sample next comes from it. Assumes vLLM 0.32, which reads an adapter
+        only from a PEFT directory: a directory of this engine's own holding adapter_config.json and a link to the
+        bucket file (its safetensors file is adapter_model.safetensors)."""
+        from vllm.lora.request import LoRARequest
+        folder = shm_dir() / f"molt-weights-{os.getpid()}-lora-{self.index}"  # (freed with the other buffers)
+        folder.mkdir(exist_ok=True)
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        link = folder / "adapter_model.safetensors"
+        if not link.is_symlink() or os.readlink(link) != file:
+            link.unlink(missing_ok=True)
+            link.symlink_to(file)
+        await self.engine.add_lora(LoRARequest("policy", 1, str(folder), load_inplace=True))
+        self.lora = LoRARequest("policy", 1, str(folder))
 
     async def stage(self, source: dict, where: dict) -> list[str]:
         """The bucket files this engine's workers load: on the trainer's node, the trainer's own (written once for
@@ -3771,13 +3852,16 @@ def policy_loss(algo, logp, old, behaviour, adv, mask, ref=None, entropy=None):
     return loss, stats
 
 
-def aggregate(loss, mask, mode: str, n_tokens: float, n_seqs: float):
-    """Sum of this micro-batch's share of the batch loss: token-mean over the batch's n_tokens action tokens, or the
-    mean over n_seqs sequences of each sequence's token-mean."""
+def aggregate(loss, mask, mode: str, n_tokens: float, n_seqs: float, weight=None):
+    """Sum of this micro-batch's share of the batch loss: token-mean over the batch's n_tokens action tokens, the
+    mean over n_seqs sequences of each sequence's token-mean, or (prompt) the per-token weights [B, S] of
+    prompt_weights: the mean over prompts of each prompt's token-mean."""
     import torch
     loss = torch.where(mask.bool(), loss, torch.zeros_like(loss))
     if mode == "token":
         return loss.sum() / max(n_tokens, 1.0)
+    if mode == "prompt":
+        return (loss * weight).sum()
     return (loss.sum(1) / mask.sum(1).clamp(min=1)).sum() / max(n_seqs, 1.0)
 
 
@@ -3788,7 +3872,7 @@ def aggregate(loss, mask, mode: str, n_tokens: float, n_seqs: float):
 
 
 def policy_microbatch_loss(algo: AlgoConfig, logp, old, behaviour, adv, mask, n_tokens: float, n_seqs: float,
-                           ref=None, entropy=None):
+                           ref=None, entropy=None, weight=None):
     """The policy's share of the batch loss on one micro-batch, a pure function of [B, S] tensors: logp (with
     gradients) and entropy from this forward, old = the trainer's log-probs before this step's updates, behaviour =
     the engine's at sampling time, ref = the reference's (or teacher's) when the KL is in the loss. n_tokens / n_seqs
@@ -3796,7 +3880,7 @@ def policy_microbatch_loss(algo: AlgoConfig, logp, old, behaviour, adv, mask, n_
     -> (loss, stats {name: (sum, count) over the mask}, per-token IS weight and gate [B, S] for the sample dump)."""
     import torch
     loss_tok, st = policy_loss(algo, logp, old, behaviour, adv, mask, ref, entropy if algo.entropy_coef else None)
-    loss = aggregate(loss_tok, mask, algo.loss_agg, n_tokens, n_seqs)
+    loss = aggregate(loss_tok, mask, algo.loss_agg, n_tokens, n_seqs, weight)
     n = float(mask.sum())
     ratio = torch.exp(log_ratio(old, behaviour)).clamp(max=1e4)
     stats = {"loss/policy": ((loss_tok.detach() * mask).sum(), n),
@@ -3829,9 +3913,30 @@ def sft_microbatch_loss(logp, mask, n_tokens: float):
 # ======================================================================================================
 
 
-def step_tensors(samples: list[Sample]):
-    """Padded step-axis tensors of a batch: mask [B, S], rewards [B], group and rollout ids as integers [B]. A sample
-    without a rollout id is its own episode, and one without a group id its episode's own group."""
+def length_penalties(algo: AlgoConfig, max_new_tokens: int, samples: list[Sample]) -> list[float]:
+    """Each sample's reward after the length penalties, by episode: times stop_penalty when the episode's last reply
+    was cut at the token limit (ProRL); plus DAPO's overlong term on its longest reply L (a run of action tokens) with
+    Lmax = max_new_tokens, b = overlong_buffer: 0 for L <= Lmax - b, ((Lmax - b) - L) / b up to Lmax, -1 beyond."""
+    last, longest = {}, {}
+    for s in samples:
+        key = s.rollout_id or id(s)
+        last[key] = s  # segments come in order: the last one holds the episode's last reply
+        runs = "".join(map(str, s.mask)).split("0")
+        longest[key] = max(longest.get(key, 0), max(map(len, runs)))
+    out = []
+    for s in samples:
+        key, r, b = s.rollout_id or id(s), s.reward, algo.overlong_buffer
+        r *= algo.stop_penalty if last[key].finish_reason == "length" else 1.0
+        if b:
+            r += max(-1.0, min(0.0, (max_new_tokens - b - longest[key]) / b))
+        out.append(r)
+    return out
+
+
+def step_tensors(samples: list[Sample], rewards: list[float] | None = None):
+    """Padded step-axis tensors of a batch: mask [B, S], rewards [B] (the samples' own unless given), group and
+    rollout ids as integers [B]. A sample without a rollout id is its own episode, and one without a group id its
+    episode's own group."""
     import torch
     S = max(len(s.tokens) for s in samples) - 1
     mask = torch.tensor([s.mask[1:] + [0] * (S - len(s.tokens) + 1) for s in samples], dtype=torch.float)
@@ -3839,7 +3944,7 @@ def step_tensors(samples: list[Sample]):
     rollout_keys = [s.rollout_id or f"#{i}" for i, s in enumerate(samples)]
     group = torch.tensor([ids.setdefault(("g", s.group_id or r), len(ids)) for s, r in zip(samples, rollout_keys)])
     rollout = torch.tensor([ids.setdefault(("r", r), len(ids)) for r in rollout_keys])
-    return mask, torch.tensor([s.reward for s in samples], dtype=torch.float), group, rollout
+    return mask, torch.tensor(rewards or [s.reward for s in samples], dtype=torch.float), group, rollout
 
 
 def padded(per_sample: dict, B: int, S: int):
@@ -3869,6 +3974,22 @@ def plan_counts(samples: list[Sample], plan) -> list[tuple[float, float]]:
         idx = {i for rank in mini for i in rank if i >= 0}
         counts.append((float(sum(sum(samples[i].mask[1:]) for i in idx)), float(len(idx))))
     return counts
+
+
+def prompt_weights(samples: list[Sample], plan) -> dict:
+    """--algo.loss-agg prompt: {sample: the weight of each of its tokens [T_i - 1]}, 1 / (P x N_g) with P the prompt
+    groups in its mini-batch and N_g its group's action tokens there, so the weighted sum is the mean over prompts of
+    each prompt's token-mean."""
+    out = {}
+    for mini in plan:
+        idx = sorted({i for rank in mini for i in rank if i >= 0})
+        tokens: dict = {}
+        for i in idx:
+            tokens[samples[i].group_id] = tokens.get(samples[i].group_id, 0) + sum(samples[i].mask[1:])
+        for i in idx:
+            w = 1.0 / (len(tokens) * max(tokens[samples[i].group_id], 1))
+            out[i] = np.full(len(samples[i].tokens) - 1, w, dtype=np.float32)
+    return out
 
 
 def forwards_before_update(cfg: Config, models: dict, batch, samples: list[Sample], plan):
@@ -3902,12 +4023,14 @@ def learn(cfg: Config, models: dict, samples: list[Sample]) -> dict:
     plan = shard_plan(samples, models["policy"].world, cfg.train.mini_batches)
     batch, counts = ray.put(samples), plan_counts(samples, plan)
     old, ref, values = forwards_before_update(cfg, models, batch, samples, plan)
-    mask, reward, group, rollout = step_tensors(samples)
+    mask, reward, group, rollout = step_tensors(samples, length_penalties(cfg.algo, cfg.rollout.max_new_tokens,
+                                                                          samples))
     B, S = mask.shape
     kl = padded(old, B, S) - padded(ref, B, S) if kl_in_advantage(cfg.algo) else None
     adv, returns = compute_advantages(cfg.algo, reward, group, rollout, mask, kl=kl,
                                       values=None if values is None else padded(values, B, S))
-    inputs = TrainInputs(adv=per_sample(adv, samples), old=old, ref=ref if kl_in_loss(cfg.algo) else None)
+    inputs = TrainInputs(adv=per_sample(adv, samples), old=old, ref=ref if kl_in_loss(cfg.algo) else None,
+                         agg=prompt_weights(samples, plan) if cfg.algo.loss_agg == "prompt" else None)
     metrics = models["policy"].train(batch, plan, ray.put(inputs), counts)
     if values is not None:
         critic_inputs = TrainInputs(values=values, returns=per_sample(returns, samples))
@@ -3976,6 +4099,11 @@ def rl_main(cfg: Config):
     print(f"[molt] {cfg.run_dir}: {'resumed at step ' + str(step) if ckpt else 'fresh run'}, "
           f"start-up {time.time() - t_start:.1f}s{log_note(cfg)}", file=sys.stderr)
     log, sync, recent = Logger(cfg, cfg.run_dir, step), WeightSync(cfg, models["policy"], engines), []
+    if cfg.train.lora_rank and engines:  # the engines hold every request until their first adapter arrives
+        sync.start(step)
+        sync.wait()
+        if sync.metrics.get("sync/failed"):
+            raise RuntimeError("the engines could not load the policy's LoRA adapter (the [sync] lines above say why)")
     while step < cfg.steps:
         t0 = time.perf_counter()
         if cfg.train.async_queue_size == 0:
@@ -4155,6 +4283,7 @@ class TrainInputs:
     ref: dict | None = None  # reference log-probs, for a KL term in the loss
     returns: dict | None = None  # value targets (critic)
     values: dict | None = None  # the critic's values before the update (value clip)
+    agg: dict | None = None  # per-token loss weights (--algo.loss-agg prompt)
 
 
 def collate(samples: list[Sample], idx: list[int], inputs: TrainInputs | None, device, temperature: float = 1.0,
@@ -4256,7 +4385,7 @@ def policy_on_worker(w, mb: dict, n_tokens: float, n_seqs: float):
     logp, entropy = step_logprobs(w, mb, True)
     old = mb["old"] if "old" in mb else logp.detach()  # one update per step: this forward's own are exact
     loss, stats, per_token = policy_microbatch_loss(w.cfg.algo, logp, old, mb["behaviour"], mb["adv"], mb["mask"],
-                                                    n_tokens, n_seqs, mb.get("ref"), entropy)
+                                                    n_tokens, n_seqs, mb.get("ref"), entropy, mb.get("agg"))
     if w.cfg.dump_samples:  # the trainer's view of each token, for the sample dump and the viewer
         w.token_view = {"trainer_logprobs": old, **per_token}
     return loss, {**stats, **routing_mismatch(w.model)}
@@ -4301,7 +4430,8 @@ def automodel_backend(cfg: Config, cuda: bool) -> bool:
     """Whether the policy is built by NVIDIA AutoModel (CUDA only) rather than transformers."""
     if cfg.train.backend == "automodel":
         return True
-    return bool(cfg.train.backend == "auto" and cuda and importlib.util.find_spec("nemo_automodel"))
+    return bool(cfg.train.backend == "auto" and cuda and not cfg.train.lora_rank and
+                importlib.util.find_spec("nemo_automodel"))
 
 
 def build_model(cfg: Config, path: str, role: str, hf_config, world: int, cuda: bool):
@@ -4349,12 +4479,16 @@ def build_hf(cfg: Config, path: str, role: str, vlm: bool, hf_config, world: int
         arch = getattr(transformers, (hf_config.architectures or ["?"])[0], None)  # gpt-oss's attention sinks: eager
         attn = "eager" if attn == "sdpa" and not getattr(arch, "_supports_sdpa", True) else attn
         model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_pretrained(
-            path, dtype=torch.float32, attn_implementation=attn)
+            lora_base(path), dtype=torch.float32, attn_implementation=attn)
     prepare_moe(model, hf_config, cfg.actor, role, cfg.train.routing_replay)  # before FSDP wraps the routers
+    if cfg.train.lora_rank and role in ("policy", "sft"):
+        model = with_lora(model, path, cfg.train)
     if cuda:
         model = model.cuda()
     if cfg.train.grad_checkpointing and ROLES[role].loss:
         model.gradient_checkpointing_enable()
+        if cfg.train.lora_rank:  # the frozen embeddings' output must carry gradients into the checkpointed blocks
+            model.enable_input_require_grads()
     if world == 1 and not cuda:
         return model
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
@@ -4365,6 +4499,56 @@ def build_hf(cfg: Config, path: str, role: str, vlm: bool, hf_config, world: int
             fully_shard(module, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mp_policy=mp, offload_policy=offload)
     return model
+
+
+def with_lora(model, path: str, t: TrainConfig):
+    """PEFT LoRA adapters on the targets, initialised as PEFT does (B = 0: the policy starts as the base), or those of
+    the adapter directory `path` (a checkpoint of a LoRA run); only they require gradients, so only they reach the
+    optimizer."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    if lora_base(path) != path:
+        return PeftModel.from_pretrained(model, path, is_trainable=True)
+    import torch
+    targets = [m.strip() for m in t.lora_targets.split(",")]
+    if "all-linear" in targets:  # PEFT's all-linear (every linear layer but the output head), and any others named
+        head = model.get_output_embeddings()
+        linear = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+        targets = [m for m in targets if m != "all-linear"] + sorted(linear)
+    return get_peft_model(model, LoraConfig(r=t.lora_rank, lora_alpha=t.lora_alpha, lora_dropout=t.lora_dropout,
+                                            target_modules=targets))
+
+
+def adapter_config(model) -> dict:
+    """The adapter_config.json fields of a PEFT model's adapter (sets as lists, as PEFT writes them)."""
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in model.peft_config["default"].to_dict().items()}
+
+
+def adapter_tensors(model) -> dict:
+    """PEFT's on-disk names -> the adapter's full tensors on CPU (every rank must call it: gathering is a
+    collective), e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight."""
+    from peft import get_peft_model_state_dict
+    state = {}
+    for name, p in model.state_dict().items():
+        if "lora_" in name:
+            state[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to("cpu")
+    return get_peft_model_state_dict(model, state_dict=state)
+
+
+def merged_state(full: dict, config: dict) -> dict:
+    """A LoRA model's full state (in-memory PEFT names) -> the base model's state with each adapter merged in:
+    W + alpha / r * B @ A ([out, r] @ [r, in]; an embedding's B @ A is [dim, vocab], transposed)."""
+    scale = config["lora_alpha"] / config["r"]
+    out = {}
+    for name, w in full.items():
+        if "lora_" in name:
+            continue
+        stem = name.removesuffix(".base_layer.weight")
+        if f"{stem}.lora_A.default.weight" in full:
+            w = w + scale * full[f"{stem}.lora_B.default.weight"] @ full[f"{stem}.lora_A.default.weight"]
+        elif f"{stem}.lora_embedding_A.default" in full:
+            w = w + scale * (full[f"{stem}.lora_embedding_B.default"] @ full[f"{stem}.lora_embedding_A.default"]).T
+        out[name.removeprefix("base_model.model.").replace(".base_layer.", ".")] = w
+    return out
 
 
 def local_shard(t):
@@ -4430,7 +4614,7 @@ class ModelWorker:
                                 world_size=self.world)
         torch.manual_seed(self.cfg.seed)
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        hf = AutoConfig.from_pretrained(self.path)
+        hf = AutoConfig.from_pretrained(lora_base(self.path))
         self.image_token, self.media = getattr(hf, "image_token_id", None), media_tokens(hf)
         self.tied = getattr(getattr(hf, "text_config", hf), "tie_word_embeddings", False) or \
             getattr(hf, "tie_word_embeddings", False)
@@ -4525,6 +4709,8 @@ class ModelWorker:
     def export_weights(self, bucket_mb: int, local: bool = True, store: bool = False) -> dict | None:
         if local and self.rank == 0:
             self.shm = self.shm or ShmBuckets()
+        if self.cfg.train.lora_rank:
+            return export_adapter(self.model, self.rank, self.shm if local else None, store)  # §15
         return export_buckets(self.model, self.rank, self.tied, bucket_mb, self.shm if local else None, store)  # §15
 
     def release_weights(self):
@@ -4559,8 +4745,12 @@ class ModelWorker:
         torch.save({"torch": torch.get_rng_state(), "random": random.getstate(), "numpy": np.random.get_state()},
                    f"{out}/rng_rank{self.rank}.pt")
         if self.rank == 0:  # config and generation config come with the model, chat template with the tokenizer
-            self.model.save_pretrained(out, state_dict=full, safe_serialization=True)
+            self.model.save_pretrained(out, state_dict=full, safe_serialization=True)  # LoRA: the adapter only
             self.processing.save_pretrained(out)
+            if self.cfg.train.lora_merge_on_save:
+                merged = merged_state(full, adapter_config(self.model))
+                self.model.get_base_model().save_pretrained(f"{out}/merged", state_dict=merged)
+                self.processing.save_pretrained(f"{out}/merged")
             torch.save({"optim": optim, "sched": self.sched.state_dict()}, f"{out}/trainer_state.pt")
 
     def load(self, ckpt: str):
@@ -4797,6 +4987,17 @@ def export_buckets(model, rank: int, tied: bool, bucket_mb: int, shm: "ShmBucket
     return out
 
 
+def export_adapter(model, rank: int, shm: "ShmBuckets | None", store: bool) -> dict | None:
+    """LoRA: only the adapter, in PEFT's names, as one bucket (its file is the adapter_model.safetensors the engines
+    load) with its adapter_config.json fields; the base weights never move. -> export_buckets' dict + "adapter"."""
+    import ray
+    tensors = adapter_tensors(model)
+    if rank != 0:
+        return None
+    return {"files": [shm.write(0, tensors)] if shm is not None else [], "refs": [ray.put(tensors)] if store else [],
+            "bytes": sum(t.numel() * t.element_size() for t in tensors.values()), "adapter": adapter_config(model)}
+
+
 ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
              "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
              "F8_E5M2": "float8_e5m2"}
@@ -4864,7 +5065,7 @@ def free_stale_weights():
     """Remove the weight buffers of processes that are gone (a killed run cannot remove its own)."""
     for old in shm_dir().glob("molt-weights-*"):
         if not _pid_alive(int(old.name.split("-")[2])):
-            old.unlink(missing_ok=True)
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -4977,7 +5178,8 @@ class WeightSync:
     def __init__(self, cfg: Config, policy: ModelGroup, engines: list):
         import ray
         self.cfg, self.policy, self.engines = cfg, policy, engines
-        here, self.native = ray.get(policy.workers[0].node.remote())  # rank 0 exports; on CUDA: vLLM's transfer
+        here, cuda = ray.get(policy.workers[0].node.remote())  # rank 0 exports; on CUDA: vLLM's transfer
+        self.native = cuda and not cfg.train.lora_rank  # (an adapter goes as a PEFT directory, on every device)
         self.local = {e: node == here for e, node in zip(engines, ray.get([e.node.remote() for e in engines]))}
         self.pending: list = []
         self.discarded = 0  # the engines' running total of tokens thrown away (abort mode)
@@ -5004,8 +5206,10 @@ class WeightSync:
             return
         local = [self.local[e] for e in self.engines]
         exported = self.policy.run("export_weights", self.cfg.train.sync_bucket_mb, any(local), not all(local))[0]
-        self.pending = [e.update.remote({"files": exported["files"]} if here else {"refs": exported["refs"]}, version,
-                                        self.cfg.train.check_weight_sync) for e, here in zip(self.engines, local)]
+        adapter = {"adapter": exported["adapter"]} if "adapter" in exported else {}
+        self.pending = [e.update.remote({"files": exported["files"]} | adapter if here else
+                                        {"refs": exported["refs"]} | adapter, version, self.cfg.train.check_weight_sync)
+                        for e, here in zip(self.engines, local)]
         self.add({"time/weight_export": time.perf_counter() - t0, "sync/bytes": exported["bytes"]})
 
     def wait(self):
@@ -5268,7 +5472,7 @@ def launch(cfg: Config, rows: list[dict], data_id: str, ckpt: Path | None):
     step = state.get("step", 0)
     check_launch(cfg, model_path, cluster_gpus())
     engines, engines_ready = ([], []) if cfg.offline_samples else \
-        launch_engines(cfg, str(ckpt) if ckpt else model_path, step)
+        launch_engines(cfg, lora_base(str(ckpt) if ckpt else model_path), step)
     pools = launch_pools(cfg, model_path, engines) if engines else []
     models = launch_models(cfg, model_path, ckpt)
     parsers = ray.get([p.ping.remote() for p in pools])  # an agent module that fails to import fails the launch

@@ -195,3 +195,36 @@ def test_is_modes_differ_below_the_band(beh, level, mode, coef, filtered):
 def test_rewards_are_clipped_before_the_estimator():
     a, _ = adv("dr_grpo", [100.0, 0.0, 0.0, 0.0], [0, 0, 1, 1], [0, 1, 2, 3], reward_clip=10.0)
     assert torch.allclose(a[0], 5.0 * MASK[0]) and torch.allclose(a[1], -5.0 * MASK[1])  # 10 vs 0, not 100 vs 0
+
+
+def test_prompt_mean_token_mean_is_the_mean_over_prompts_of_their_token_means():
+    """Prompt a: samples 0 (3 action tokens) and 1 (1); prompt b: sample 2 (2), in one mini-batch split over two
+    micro-batches: the weighted sums add up to ((1 + 2 + 3 + 4) / 4 + (5 + 6) / 2) / 2 = 4.0, where the token-mean
+    is 21 / 6 = 3.5 and the seq-mean (2 + 4 + 5.5) / 3."""
+    def sample(group, actions):
+        return molt.Sample(group_id=group, tokens=[1] * 4, mask=[0] + actions, logprobs=[0.0] * 4, versions=[-1] * 4)
+    samples = [sample("a", [1, 1, 1]), sample("a", [0, 1, 0]), sample("b", [1, 1, 0])]
+    weights = molt.prompt_weights(samples, [[[0, 2], [1, -1]]])  # one mini-batch, two ranks (-1: FSDP padding)
+    losses = {0: t([1.0, 2.0, 3.0]), 1: t([0.0, 4.0, 0.0]), 2: t([5.0, 6.0, 0.0])}
+    total = sum(molt.aggregate(losses[i][None], t(samples[i].mask[1:]), "prompt", 0, 0, torch.tensor(weights[i])[None])
+                for i in range(3))
+    assert total.item() == pytest.approx(4.0)
+    assert weights[0][0] == pytest.approx(1 / (2 * 4)) and weights[2][0] == pytest.approx(1 / (2 * 2))
+
+
+@pytest.mark.parametrize("longest, finish, buffer, coef, expect", [
+    (10, "stop", 0, 1.0, 1.0),  # both off
+    (10, "stop", 8, 1.0, 1.0),  # L <= Lmax - b = 24: no overlong term
+    (28, "stop", 8, 1.0, 1.0 + (24 - 28) / 8),  # inside the buffer: linear, -0.5
+    (32, "length", 8, 1.0, 1.0 - 1.0),  # at Lmax: -1
+    (32, "length", 0, 0.5, 0.5),  # cut without a stop: reward x coef
+    (32, "length", 8, 0.0, -1.0),  # both: zeroed, then -1
+])
+def test_length_penalties_by_hand(longest, finish, buffer, coef, expect):
+    """DAPO's overlong term on the episode's longest reply (Lmax = max_new_tokens 32) and ProRL's stop-properly factor
+    on an episode whose last reply was cut; both segments of the episode get the episode's shaped reward."""
+    first = molt.Sample(rollout_id="e", tokens=[1] * 13, mask=[0] * 3 + [1] * 10, reward=1.0, finish_reason="stop")
+    last = molt.Sample(rollout_id="e", tokens=[1] * (longest + 2), mask=[0, 0] + [1] * longest, reward=1.0,
+                       finish_reason=finish)
+    out = molt.length_penalties(algo(overlong_buffer=buffer, stop_penalty=coef), 32, [first, last])
+    assert out == pytest.approx([expect, expect])
