@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import molt
-from conftest import _engine, run, small_config
+from conftest import run, small_config
 from test_engines import PROMPT, hf_logprobs, sampled, until_generated
 
 
