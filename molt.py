@@ -4188,6 +4188,7 @@ def sft_main(cfg: Config):
     setup_run_dir(cfg, data_id := data_fingerprint(rows))
     ray_init(cfg)
     model_path, t_start = resolve_model(cfg.model), time.time()
+    check_lora(cfg, model_path, _cuda())
     codec = Codec(model_path, cfg.chat_template)
     samples = [sft_sample(codec, r, i, row_images(cfg.data, r, codec)) for i, r in enumerate(rows)]
     evals = [sft_sample(codec, r, i, row_images(cfg.data, r, codec)) for i, r in enumerate(load_rows(
@@ -4527,11 +4528,7 @@ def adapter_tensors(model) -> dict:
     """PEFT's on-disk names -> the adapter's full tensors on CPU (every rank must call it: gathering is a
     collective), e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight."""
     from peft import get_peft_model_state_dict
-    state = {}
-    for name, p in model.state_dict().items():
-        if "lora_" in name:
-            state[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().to("cpu")
-    return get_peft_model_state_dict(model, state_dict=state)
+    return get_peft_model_state_dict(model, state_dict=dict(full_state(model, is_adapter)))
 
 
 def merged_state(full: dict, config: dict) -> dict:
@@ -4540,7 +4537,7 @@ def merged_state(full: dict, config: dict) -> dict:
     scale = config["lora_alpha"] / config["r"]
     out = {}
     for name, w in full.items():
-        if "lora_" in name:
+        if is_adapter(name):
             continue
         stem = name.removesuffix(".base_layer.weight")
         if f"{stem}.lora_A.default.weight" in full:
@@ -4576,11 +4573,18 @@ def host_step(optim, masters: dict):
             m.grad = None
 
 
-def full_state(model):
-    """Yield (name, full tensor on CPU) in a fixed order; every rank must iterate (full_tensor is a collective)."""
+def full_state(model, keep=None):
+    """Yield (name, full tensor on CPU) of the entries keep(name) accepts (default all) in a fixed order; every rank
+    must iterate (full_tensor is a collective)."""
     for name, t in model.state_dict().items():
-        t = t.full_tensor() if hasattr(t, "full_tensor") else t
-        yield name, t.detach().to("cpu")
+        if keep is None or keep(name):
+            t = t.full_tensor() if hasattr(t, "full_tensor") else t
+            yield name, t.detach().to("cpu")
+
+
+def is_adapter(name: str) -> bool:
+    """A LoRA adapter's entry in a PEFT model's state dict (lora_A / lora_B / lora_embedding_A / ...)."""
+    return "lora_" in name
 
 
 class ModelWorker:
@@ -4735,7 +4739,8 @@ class ModelWorker:
         """HF-format model directory (loadable as is by transformers and vLLM) + optimizer, scheduler and RNG."""
         import torch
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-        full = dict(full_state(self.model))
+        t = self.cfg.train  # a LoRA checkpoint gathers only the adapter, unless it is merged too
+        full = dict(full_state(self.model, is_adapter if t.lora_rank and not t.lora_merge_on_save else None))
         optim = None  # host copies (--train.offload optimizer) keep this rank's moments in a file of its own
         if self.masters:
             torch.save(self.optim.state_dict(), f"{out}/optim_rank{self.rank}.pt")

@@ -146,7 +146,10 @@ def test_a_responses_agent_trains_two_steps(agent, model, tmp_path):
     calculator call, its output by previous_response_id, free turns; no server failure, every forced call parsed,
     one segment (one Sample) per episode, engine and trainer agree."""
     from test_e2e import metrics, molt as run_molt
-    run_molt("--agent", f"agents/{agent}.py", "--model", model, "--steps", 2, "--run-dir", tmp_path / "r")
+    # 4 samples per micro-batch: 16 rows of Qwen3's 152k-vocabulary logits at the recipe's 96 new tokens per turn are
+    # ~4 GB per copy, and the suite ran out of its 24 GiB (Ray's OOM killer took the trainer and a shared engine)
+    run_molt("--agent", f"agents/{agent}.py", "--model", model, "--steps", 2, "--run-dir", tmp_path / "r",
+             "--train.micro-batch-size", 4)
     m = metrics(tmp_path / "r")
     assert [x["step"] for x in m] == [1, 2]
     assert all(x["server/5xx"] == 0 and x["server/4xx"] == 0 and x["tools/forced_parsed"] == 1.0 and
