@@ -287,6 +287,15 @@ class SftConfig:
 
 
 @dataclass
+class EnvConfig:
+    """Options for an agent module that hosts an environment library (agents/verifiers_env.py, agents/reasoning_gym.py,
+    agents/textarena_env.py); Molt only checks that args is a JSON object."""
+    id: str = _f("", "the environment the agent module loads by name (a verifiers environment id, a TextArena env id)")
+    args: str = _f("{}", "JSON object of options for it (e.g. load_environment's keyword arguments, a generator's "
+                   "size and seed)")
+
+
+@dataclass
 class Config:
     mode: str = _f("rl", "rl, or sft: supervised fine-tuning on chat rows ({\"messages\": [...], \"tools\": [...]}) in "
                    "--data, loss on the assistant turns; its checkpoints start RL (--model RUN/checkpoints/step_N)")
@@ -320,6 +329,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sft: SftConfig = field(default_factory=SftConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
 
 SHORT_FLAGS = {"--data": "data.path", "--eval-data": "data.eval_path"}  # short forms of grouped flags
@@ -453,6 +463,10 @@ def validate_config(cfg: Config) -> Config:
         raise UsageError("--algo.filter-range LOW HIGH needs LOW < HIGH")
     if ro.batch_size < 1 or ro.n_samples_per_prompt < 1 or cfg.steps < 0:
         raise UsageError("--rollout.batch-size, --rollout.n-samples-per-prompt must be >= 1 and --steps >= 0")
+    try:
+        assert isinstance(json.loads(cfg.env.args), dict)
+    except (ValueError, AssertionError):
+        raise UsageError(f"--env.args must be a JSON object, not {cfg.env.args!r}") from None
     ro.stall_timeout = ro.stall_timeout or 2 * ro.agent_timeout + 60
     return cfg
 
@@ -3375,8 +3389,22 @@ class AgentPool:
         return []
 
 
-def load_rows(path: str, d: DataConfig) -> list[dict]:
-    """Prompt rows from .jsonl / .json / .parquet, a datasets.save_to_disk directory, or an HF dataset name."""
+def load_rows(path: str, d: DataConfig, cfg: Config | None = None) -> list[dict]:
+    """Prompt rows. An agent module that defines load_data(path, cfg) makes them itself (an environment library's
+    own data set or generator: path may be empty or a spelling of its own, e.g. reasoning-gym:TASK); otherwise
+    .jsonl / .json / .parquet, a datasets.save_to_disk directory, or an HF dataset name."""
+    load = getattr(import_path(cfg.agent), "load_data", None) if cfg and cfg.agent else None
+    rows = list(load(path, cfg)) if load else read_rows(path, d)
+    if not rows:
+        raise UsageError(f"{path or cfg.agent}: no rows")
+    missing = [i for i, r in enumerate(rows) if not isinstance(r, dict) or d.prompt_key not in r]
+    if missing:
+        raise UsageError(f"{path or cfg.agent}: row {missing[0]} has no {d.prompt_key!r} field (set "
+                         f"--data.prompt-key)")
+    return rows[:d.max_prompts] if d.max_prompts else rows
+
+
+def read_rows(path: str, d: DataConfig) -> list[dict]:
     if path.endswith((".jsonl", ".json")) and os.path.isfile(path):
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
@@ -3391,12 +3419,7 @@ def load_rows(path: str, d: DataConfig) -> list[dict]:
         if isinstance(ds, datasets.DatasetDict):
             ds = ds[d.split]
         rows = list(ds)
-    if not rows:
-        raise UsageError(f"{path}: no rows")
-    missing = [i for i, r in enumerate(rows) if d.prompt_key not in r]
-    if missing:
-        raise UsageError(f"{path}: row {missing[0]} has no {d.prompt_key!r} field (set --data.prompt-key)")
-    return rows[:d.max_prompts] if d.max_prompts else rows
+    return rows
 
 
 def rollout_sampling(cfg: Config, evaluation=False) -> dict:
@@ -4088,14 +4111,14 @@ def next_batch(cfg: Config, step: int, manager, offline) -> Batch | None:
 
 
 def rl_main(cfg: Config):
-    rows = load_rows(cfg.data.path, cfg.data) if not cfg.offline_samples else []
+    rows = load_rows(cfg.data.path, cfg.data, cfg) if not cfg.offline_samples else []
     data_id = data_fingerprint(rows)
     ckpt = setup_run_dir(cfg, data_id)
     ray_init(cfg)
     t_start = time.time()
     step, engines, models, manager = launch(cfg, rows, data_id, ckpt)
     offline = offline_batches(cfg.offline_samples) if cfg.offline_samples else None
-    eval_rows = load_rows(cfg.data.eval_path, cfg.data) if cfg.data.eval_path and manager else None
+    eval_rows = load_rows(cfg.data.eval_path, cfg.data, cfg) if cfg.data.eval_path and manager else None
     print(f"[molt] {cfg.run_dir}: {'resumed at step ' + str(step) if ckpt else 'fresh run'}, "
           f"start-up {time.time() - t_start:.1f}s{log_note(cfg)}", file=sys.stderr)
     log, sync, recent = Logger(cfg, cfg.run_dir, step), WeightSync(cfg, models["policy"], engines), []

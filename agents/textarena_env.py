@@ -1,0 +1,100 @@
+"""TextArena games as an Env: the policy plays one side turn by turn (Molt owns the loop), a fixed opponent the
+other, and the game's outcome for the policy's side is the reward (two players: 1 win, 0 draw, -1 loss or repeated
+invalid moves; one player: the game's own score).
+
+    python molt.py --agent agents/textarena_env.py                              # tic-tac-toe on the tiny model
+    python molt.py --agent agents/textarena_env.py --data textarena:GuessTheNumber-v0 \\
+        --env.args '{"kwargs": {"GuessTheNumber-v0": {"max_turns": 5}}}'
+
+--data textarena:ID[,ID...] makes one row per (game, seed); --env.args: "size" (seeds per game, 256), "seed" (the
+run's --seed), "kwargs" ({id: ta.make keyword arguments}), "players" ({id: number}, for games outside PLAYERS). Each
+turn the policy sees only what is new in its observation (TextArena's wrapper repeats the whole game each turn; the
+conversation already holds it). The policy plays every other seed's first move. TextArena 0.7 has no opponent
+that runs offline (its agents call model APIs), so the opponent here is a uniformly random legal move, seeded per
+episode: a replay of the same actions gives the same game. TextArena's reset(seed) reseeds Python's global random.
+"""
+import json
+import random
+import re
+
+import molt
+from molt import Env, Result, StepEnvRunner
+
+SCHEME = "textarena:"
+PLAYERS = {"TicTacToe-v0": 2, "ConnectFour-v0": 2, "Nim-v0": 2, "GuessTheNumber-v0": 1, "TowerOfHanoi-v0": 1,
+           "Mastermind-v0": 1}
+DEFAULTS = {"data.path": SCHEME + "TicTacToe-v0", "rollout.max_new_tokens": 16, "rollout.max_turns": 10,
+            "rollout.n_samples_per_prompt": 4, "rollout.batch_size": 4, "steps": 4, "data.max_len": 4096}
+MOVES = re.compile(r"'(\[[^\]]+\])'")  # TextArena lists legal moves as: Available Moves: '[0]', '[4]', ...
+
+
+def load_data(spec: str, cfg) -> list[dict]:
+    """One row per (game, seed): the prompt names the game (reset() replaces it with the game's own)."""
+    if not spec.startswith(SCHEME):
+        return molt.read_rows(spec, cfg.data)
+    args = json.loads(cfg.env.args)
+    seed = args.get("seed", cfg.seed) * 100_003 + (spec == cfg.data.eval_path) * 50_000
+    rows = []
+    for game in (g for g in spec[len(SCHEME):].split(",") if g):
+        players = args.get("players", {}).get(game) or PLAYERS.get(game)
+        if not players:
+            raise molt.UsageError(f"textarena: how many players does {game} have? --env.args "
+                                  f"'{{\"players\": {{\"{game}\": N}}}}'")
+        kwargs = args.get("kwargs", {}).get(game, {})
+        rows += [{"prompt": f"{game} #{s}", "label": {"game": game, "seed": s, "players": players, "kwargs": kwargs}}
+                 for s in range(seed, seed + args.get("size", 256))]
+    return rows
+
+
+def random_move(obs: str, rng: random.Random) -> str:
+    """The fixed opponent: a uniformly random move among those the game lists as legal."""
+    moves = MOVES.findall(obs.rsplit("Available Moves", 1)[-1]) if "Available Moves" in obs else []
+    if not moves:
+        raise RuntimeError("the opponent found no 'Available Moves' in its observation: this game needs an opponent "
+                           "of its own")
+    return rng.choice(moves)
+
+
+class Game(Env):
+    async def reset(self, prompt, label):
+        import textarena as ta
+        self.label, self.seen = label, ""
+        self.game = ta.make(label["game"], **label["kwargs"])  # a fresh one per episode: its wrapper keeps history
+        self.game.reset(num_players=label["players"], seed=label["seed"])
+        self.me, self.rng = label["seed"] % label["players"], random.Random(label["seed"])
+        self.turn = self.game.get_observation()
+        if self.opponents_move():
+            raise RuntimeError(f"{label['game']} ended before the policy's first move")
+        return self.news()
+
+    def opponents_move(self) -> bool:
+        """Play the opponent until it is the policy's turn; True when the game ended."""
+        while self.turn[0] != self.me:
+            done, _ = self.game.step(action=random_move(self.turn[1], self.rng))
+            if done:
+                return True
+            self.turn = self.game.get_observation()
+        return False
+
+    def news(self) -> str:
+        """What the policy has not seen yet of its observation (the wrapper's text only grows)."""
+        obs = self.turn[1]
+        new = obs[len(self.seen):] if obs.startswith(self.seen) else obs
+        self.seen = obs
+        return new.strip() or obs
+
+    async def step(self, action: str) -> Result:
+        done, _ = self.game.step(action=action)
+        if not done:
+            self.turn = self.game.get_observation()
+            done = self.opponents_move()
+        if not done:
+            return Result(observation=self.news(), terminated=False)
+        rewards, info = self.game.close()
+        reward, mine = float(rewards[self.me]), info.get(self.me, {})
+        return Result(reward=reward, info={"ta/win": float(reward >= 1), "ta/loss": float(reward < 0),
+                                           "ta/invalid_move": float(bool(mine.get("invalid_move"))),
+                                           "ta/turns": float(mine.get("turn_count", 0))})
+
+
+AgentRunner = StepEnvRunner(Game)

@@ -1,0 +1,114 @@
+"""A verifiers (0.4) environment as a Molt agent: its own rollout logic (harness, tools, turns) runs against the
+loopback server, which records every turn token-exactly; its task's rewards are the reward, its metrics the info.
+
+    python molt.py --agent agents/verifiers_env.py --env.id my_env --env.args '{"path": "envs/"}'
+
+--env.id: the environment (a verifiers taskset package: installed, or a module under "path"). --env.args:
+"path" (a directory put on the import path, for an environment that is not installed), "taskset" (its taskset
+config's fields), "harness" ("null": verifiers' plain chat loop with the task's tools; "bash" adds its coding tools),
+"max_turns" (8), "sampling" (more request fields, e.g. {"tool_choice": "required"}). --data is the environment's own task set unless given (rows of its TaskData
+fields: prompt, and what its rewards read). Each episode runs verifiers' harness program in a local subprocess
+(never a Prime sandbox) with this Python; a task whose reward or rollout errs costs its episode, counted.
+
+Unlike verifiers' own trainer, which renders the prompt to token ids on its side (its renderers package) and sends
+them to vLLM's generate endpoint, here the environment speaks the plain chat API and Molt's server owns the tokens:
+the ids the engine sampled are the trajectory, and a history that differs from them opens a new segment.
+"""
+import asyncio
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import molt
+from molt import ChatAgent, ChatAgentRunner, Result
+
+DEFAULTS = {"rollout.max_new_tokens": 64, "rollout.n_samples_per_prompt": 4, "rollout.batch_size": 4, "steps": 4}
+
+
+def offline_chat_program():
+    """verifiers 0.4.0's subprocess runtime runs its harness program through `uv sync --script` (installing uv with
+    pip or curl when missing: no package index here, and a fresh environment per script); point it at this
+    interpreter instead, which has the program's dependencies. Assumes SubprocessRuntime's class-level
+    scripts_dir and _interpreters cache (0.4.0)."""
+    from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM_SOURCE
+    from verifiers.v1.runtimes.subprocess import SubprocessRuntime
+    data = CHAT_PROGRAM_SOURCE.encode()
+    path = Path(SubprocessRuntime.scripts_dir) / f"{hashlib.sha256(data).hexdigest()}.py"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    SubprocessRuntime._interpreters[str(path)] = sys.executable
+
+
+@functools.cache
+def environment(env_id: str, args: str):
+    """The verifiers Env, built once per process (taskset, harness and runtime as --env.args say)."""
+    import verifiers.v1 as vf
+    options = json.loads(args)
+    if options.get("path"):  # the harness and tool servers are subprocesses: they need it too
+        path = os.path.abspath(options["path"])
+        sys.path.insert(0, path)
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p)
+    offline_chat_program()
+    agent = vf.AgentConfig(harness={"id": options.get("harness", "null")}, runtime=vf.SubprocessConfig(),
+                           max_turns=options.get("max_turns", 8))
+    return vf.load_environment(vf.SingleAgentEnvConfig(taskset={"id": env_id, **options.get("taskset", {})},
+                                                       agent=agent))
+
+
+_SERVING: dict = {}  # (event loop, env) -> the exit stack holding its serving resources
+
+
+async def serving(env):
+    """Enter env.serving() once per event loop and keep it: it starts verifiers' local interception server (and
+    the environment's shared tools), which every episode of this agent pool uses."""
+    key = (asyncio.get_running_loop(), env)
+    if key not in _SERVING:
+        _SERVING[key] = stack = contextlib.AsyncExitStack()
+        await stack.enter_async_context(env.serving())
+    return env
+
+
+def load_data(spec: str, cfg) -> list[dict]:
+    """The environment's task set as rows (the TaskData as the label), or a data file of TaskData rows."""
+    if not cfg.env.id:
+        raise molt.UsageError("agents/verifiers_env.py needs --env.id (a verifiers environment)")
+    data = molt.read_rows(spec, cfg.data) if spec else \
+        [t.data.model_dump(mode="json") for t in environment(cfg.env.id, cfg.env.args).taskset]
+    return [{"prompt": row["prompt"], "label": {"env": cfg.env.id, "args": cfg.env.args, "data": row}} for row in data]
+
+
+def task_of(env, data: dict):
+    """The task for one row: the taskset's own Task type on its own TaskData type."""
+    taskset = env.taskset
+    return taskset.task_type()(type(taskset).task_type().data_type().model_validate(data), taskset.config.task)
+
+
+class Verifiers(ChatAgent):
+    async def run(self, ctx) -> Result:
+        import verifiers.v1 as vf
+        env = await serving(environment(ctx.label["env"], ctx.label["args"]))
+        key_var = f"MOLT_SESSION_KEY_{ctx.session_id}"  # verifiers reads the key from a variable
+        os.environ[key_var] = ctx.api_key
+        sampling = {**{k: ctx.sampling_params[k] for k in ("temperature", "top_p", "max_tokens")
+                       if k in ctx.sampling_params}, **json.loads(ctx.label["args"]).get("sampling", {})}
+        model = vf.ModelContext(model=ctx.model_name, client=vf.EvalClientConfig(base_url=ctx.base_url,
+                                                                                api_key_var=key_var),
+                                sampling=vf.SamplingConfig(**sampling))
+        try:
+            episode = await env.run_episode(task_of(env, ctx.label["data"]), model)
+        finally:
+            os.environ.pop(key_var, None)
+        trace = episode.traces[0] if episode.traces else None
+        errors = list(episode.errors) + list(trace.errors if trace else [])
+        if errors or trace is None or trace.reward is None:  # the episode fails (counted), never a reward of 0
+            raise RuntimeError(f"verifiers episode failed: {'; '.join(str(e.message)[:300] for e in errors)}")
+        self.trace = trace  # for whoever subclasses this agent (the tests re-score it)
+        info = {f"vf/{k}": r.score for k, r in trace.rewards.items() if r is not None}
+        return Result(reward=trace.reward, info={**info, **{f"vf/{k}": v for k, v in (trace.metrics or {}).items()}})
+
+
+AgentRunner = ChatAgentRunner(Verifiers)

@@ -1,0 +1,274 @@
+"""Environment libraries as agents (agents/verifiers_env.py, agents/reasoning_gym.py, agents/textarena_env.py): the
+real libraries, offline, through the real pool / server / engine; every reward a run records equals what the
+library's own scoring returns for the same completion, re-scored here; a malformed environment costs its episode."""
+import asyncio
+import copy
+import json
+import random
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+import molt
+from conftest import run, small_config
+
+ROOT = Path(__file__).resolve().parent.parent
+ENVS = str(ROOT / "tests" / "envs")
+vf_agent = molt.import_path(str(ROOT / "agents" / "verifiers_env.py"))
+rg_agent = molt.import_path(str(ROOT / "agents" / "reasoning_gym.py"))
+ta_agent = molt.import_path(str(ROOT / "agents" / "textarena_env.py"))
+SAMPLING = {"temperature": 1.0, "max_tokens": 24}
+
+
+def agent_config(agent: str, env_id: str = "", **args) -> molt.Config:
+    return small_config(agent=str(ROOT / "agents" / agent), **{"env.id": env_id, "env.args": json.dumps(args)})
+
+
+def run_rows(engine, model, cfg, rows, n=2, runner=None):
+    """Each row's group of n episodes through an AgentPool (the agent module cfg names, or `runner`)."""
+    async def main():
+        pool = molt.AgentPool(cfg, cfg.agent, model, [engine])
+        pool.runner = runner or pool.runner
+        outs = [await pool.run_group(row, n, dict(SAMPLING), uuid.uuid4().hex, i) for i, row in enumerate(rows)]
+        await pool.server.stop()
+        return outs
+    return run(main())
+
+
+def turns(tok, s: molt.Sample) -> list[str]:
+    """The text of each sampled turn of a Sample (runs of mask 1), as Molt's codec decodes it for an Env."""
+    runs, cur = [], []
+    for t, m in zip(s.tokens, s.mask):
+        if m:
+            cur.append(t)
+        elif cur:
+            runs, cur = runs + [cur], []
+    return [tok.decode(r, skip_special_tokens=True) for r in runs + ([cur] if cur else [])]
+
+
+# ---------------------------------------------------------------- reasoning-gym
+
+
+def test_reasoning_gym_rows_are_the_librarys_and_its_score_is_the_reward():
+    import reasoning_gym
+    cfg = agent_config("reasoning_gym.py", size=4, seed=3, config={"leg_counting": {"max_animals": 1,
+                                                                                   "min_animals": 1}})
+    rows = rg_agent.load_data("reasoning-gym:basic_arithmetic,leg_counting,letter_counting", cfg)
+    assert [r["label"]["task"] for r in rows[:3]] == ["basic_arithmetic", "leg_counting", "letter_counting"]
+    assert len(rows) == 12 and json.loads(json.dumps(rows)) == rows  # JSON rows: dumps and resumes keep them
+    again = reasoning_gym.create_dataset("leg_counting", size=4, seed=3, min_animals=1, max_animals=1)[0]
+    assert rows[1]["label"]["entry"] == json.loads(json.dumps(again))  # the library's own entry, regenerated
+
+    async def grade(row, reply):
+        env = rg_agent.ReasoningGym()
+        await env.reset(row["prompt"], row["label"])
+        return (await env.step(reply)).reward
+    for row in rows[:6]:
+        gold = row["label"]["entry"]["answer"]
+        score = reasoning_gym.get_score_answer_fn(row["label"]["task"])
+        for reply in (f"so <answer>{gold}</answer>", f"<answer>{gold}7</answer>", "no tags", "<answer>x</answer>"):
+            answer = reasoning_gym.utils.extract_answer(reply)
+            assert run(grade(row, reply)) == score(answer, row["label"]["entry"])
+    assert run(grade(rows[0], f"<answer>{rows[0]['label']['entry']['answer']}</answer>")) == 1.0
+    level = rg_agent.task_config("basic_arithmetic", {"level": 2, "size": 8}, 0)
+    assert level["max_terms"] > 2 and level["size"] == 8  # the library's curriculum at level 2
+
+
+def test_reasoning_gym_episodes_record_the_librarys_scores(engine, tiny):
+    import reasoning_gym
+    cfg = agent_config("reasoning_gym.py", size=2)
+    rows = rg_agent.load_data("reasoning-gym:basic_arithmetic,leg_counting,letter_counting", cfg)
+    outs, tok = run_rows(engine, tiny, cfg, rows[:3]), AutoTokenizer.from_pretrained(tiny)
+    assert all(o.failures == {} and len(o.samples) == 2 for o in outs)
+    for row, out in zip(rows, outs):
+        for s in out.samples:
+            [reply] = turns(tok, s)
+            answer = reasoning_gym.utils.extract_answer(reply)
+            assert s.reward == reasoning_gym.get_score_answer_fn(row["label"]["task"])(answer, row["label"]["entry"])
+
+
+# ---------------------------------------------------------------- verifiers
+
+TRACES: list = []
+
+
+class Recording(vf_agent.Verifiers):
+    async def run(self, ctx):
+        result = await super().run(ctx)
+        TRACES.append(self.trace)
+        return result
+
+
+async def rescore(env_id: str, args: str, trace):
+    """The environment's own scoring of a recorded transcript, no model call."""
+    env = vf_agent.environment(env_id, args)
+    again = trace.model_copy(deep=True)
+    again.rewards, again.metrics = {}, {}
+    await vf_agent.task_of(env, trace.task.data.model_dump(mode="json")).score(again)
+    return again.reward
+
+
+def test_verifiers_single_turn_env_its_rubric_is_the_reward(engine, tiny):
+    cfg = agent_config("verifiers_env.py", "vf_qa", path=ENVS)
+    rows = vf_agent.load_data("", cfg)
+    assert [r["label"]["data"]["answer"] for r in rows] == ["4", "8", "5", "2"] and rows[0]["prompt"].startswith("What")
+    TRACES.clear()
+    outs = run_rows(engine, tiny, cfg, rows[:2], runner=molt.ChatAgentRunner(Recording))
+    tok = AutoTokenizer.from_pretrained(tiny)
+    samples = [s for o in outs for s in o.samples]
+    assert all(o.failures == {} for o in outs) and len(samples) == len(TRACES) == 4
+    for trace in TRACES:  # each transcript's reply is the tokens one sample trained on, its reward that sample's
+        [s] = [s for s in samples if turns(tok, s) == [trace.last_reply]]
+        assert s.reward == trace.reward == run(rescore("vf_qa", cfg.env.args, trace))
+        assert s.info["vf/has_digit"] == trace.rewards["has_digit"].score
+    # the rubric is the library's: a correct reply scores 1.5 (exact 1 + has_digit 0.5) when re-scored
+    right = TRACES[0].model_copy(deep=True)
+    right.branches[-1].messages[-1].content = f"Answer: {right.task.data.answer}"
+    assert run(rescore("vf_qa", cfg.env.args, right)) == 1.5
+
+
+def test_verifiers_tool_env_runs_its_tools_through_the_loopback_server(engine, tiny):
+    """The calculator runs in verifiers' own MCP server; forced calls (tool_choice passed through --env.args'
+    sampling) make every turn a call, so the transcript has tool results, all in one recorded segment."""
+    cfg = agent_config("verifiers_env.py", "vf_calc", path=ENVS, max_turns=2,
+                       sampling={"tool_choice": "required", "max_tokens": 96})
+    rows = vf_agent.load_data("", cfg)
+    TRACES.clear()
+    [out] = run_rows(engine, tiny, cfg, rows[:1], runner=molt.ChatAgentRunner(Recording))
+    tok = AutoTokenizer.from_pretrained(tiny)
+    assert out.failures == {} and len(TRACES) == 2 and len(out.samples) == 2  # one segment per episode
+    for trace in TRACES:
+        assert [t.name for t in trace.tools] == ["calc_calculator"]
+        messages = trace.branches[-1].messages
+        tools = [m for m in messages if m.role == "tool"]
+        assert tools and len(trace.calls) == 2
+        texts = [str(m.content)[:20] for m in tools]  # the tool results are tokens of a sample: that sample
+        matches = [s for s in out.samples if all(t in tok.decode(s.tokens) for t in texts)]
+        assert matches and all(s.reward == trace.reward == run(rescore("vf_calc", cfg.env.args, trace))
+                               for s in matches)
+
+
+def test_a_malformed_verifiers_env_costs_its_episode(engine, tiny):
+    cfg = agent_config("verifiers_env.py", "vf_broken", path=ENVS)
+    outs = run_rows(engine, tiny, cfg, vf_agent.load_data("", cfg))
+    assert [o.samples for o in outs] == [[], []]  # a reward that raises, one that is NaN: counted apart
+    assert [o.failures for o in outs] == [{"error": 2}, {"bad_result": 2}]
+
+
+def test_env_options_are_checked_at_launch():
+    with pytest.raises(molt.UsageError, match="--env.id"):
+        vf_agent.load_data("", agent_config("verifiers_env.py"))
+    for bad in ("[1]", "{oops", '"x"'):
+        with pytest.raises(molt.UsageError, match="--env.args must be a JSON object"):
+            molt.parse_config(["--env.args", bad])
+    with pytest.raises(molt.UsageError, match="how many players"):
+        ta_agent.load_data("textarena:Chess-v0", agent_config("textarena_env.py"))
+
+
+# ---------------------------------------------------------------- TextArena
+
+
+async def replay(row, actions: list[str]):
+    """The game replayed from the policy's decoded actions: same seed, same seeded opponent."""
+    env = ta_agent.Game()
+    await env.reset(row["prompt"], row["label"])
+    result = None
+    for a in actions:
+        result = await env.step(a)
+        if result.terminated:
+            break
+    return result
+
+
+def test_textarena_games_end_with_the_librarys_outcome():
+    cfg = agent_config("textarena_env.py", size=3, kwargs={"GuessTheNumber-v0": {"max_turns": 4}})
+    rows = ta_agent.load_data("textarena:TicTacToe-v0,GuessTheNumber-v0", cfg)
+    assert len(rows) == 6 and rows[1]["label"] == {"game": "TicTacToe-v0", "seed": 1, "players": 2, "kwargs": {}}
+    outcomes = set()
+    for row in rows[:3]:
+        for attempt in range(20):  # random legal moves: wins, losses and draws all occur
+            rng = random.Random(attempt)
+            result = run(replay(row, [f"[{rng.randrange(9)}]" for _ in range(9)]))
+            outcomes.add(result.reward)
+            assert result.terminated and result.reward in (-1.0, 0.0, 1.0)
+    assert outcomes == {-1.0, 0.0, 1.0}
+    guess = run(replay(rows[3], ["[10]", "[5]", "[15]", "[2]", "[18]"]))
+    assert guess.terminated and 0 <= guess.reward <= 1
+    invalid = run(replay(rows[0], ["[9]", "[9]"]))  # two invalid moves in a row lose the game
+    assert invalid.reward == -1.0 and invalid.info["ta/invalid_move"] == 1.0
+
+
+def test_a_malformed_game_costs_its_episode(engine, tiny):
+    cfg = agent_config("textarena_env.py")
+    bad = [{"prompt": "x", "label": {"game": "NoSuchGame-v0", "seed": 0, "players": 2, "kwargs": {}}},
+           {"prompt": "x", "label": {"game": "GuessTheNumber-v0", "seed": 0, "players": 1, "kwargs": {"nope": 1}}}]
+    outs = run_rows(engine, tiny, cfg, bad)
+    assert [o.failures for o in outs] == [{"error": 2}, {"error": 2}] and not any(o.samples for o in outs)
+
+
+# ---------------------------------------------------------------- two training steps each, re-scored from the dumps
+
+
+def train_two_steps(tmp_path, agent, *args):
+    run_dir = tmp_path / "run"
+    argv = ["--agent", f"agents/{agent}", "--run-dir", run_dir, "--steps", 2, "--rollout.batch-size", 2,
+            "--rollout.n-samples-per-prompt", 2, "--rollout.max-new-tokens", 16, "--train.micro-batch-size", 4,
+            "--dump-samples", *args]
+    proc = subprocess.run([sys.executable, str(ROOT / "molt.py"), *map(str, argv)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    samples = [molt.Sample.from_json(json.loads(line)) for f in sorted((run_dir / "samples").glob("*.jsonl"))
+               for line in f.read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and samples
+    return metrics, samples
+
+
+@pytest.mark.slow
+def test_envs_train_two_steps_and_their_rewards_are_the_librarys(tmp_path, tiny):
+    """reasoning-gym's 3-task mix, the verifiers QA environment and tic-tac-toe each train 2 steps on the tiny model;
+    every dumped sample's reward is the library's score of its decoded turns."""
+    import reasoning_gym
+    tok = AutoTokenizer.from_pretrained(tiny)
+    spec = "reasoning-gym:basic_arithmetic,leg_counting,letter_counting"
+    _, samples = train_two_steps(tmp_path / "rg", "reasoning_gym.py", "--data", spec)
+    rows = rg_agent.load_data(spec, agent_config("reasoning_gym.py"))
+    for s in samples:
+        label = rows[s.prompt_index]["label"]
+        [reply] = turns(tok, s)
+        assert s.reward == reasoning_gym.get_score_answer_fn(label["task"])(
+            reasoning_gym.utils.extract_answer(reply), label["entry"])
+
+    args = json.dumps({"path": ENVS})
+    _, samples = train_two_steps(tmp_path / "vf", "verifiers_env.py", "--env.id", "vf_qa", "--env.args", args)
+    rows = vf_agent.load_data("", agent_config("verifiers_env.py", "vf_qa", path=ENVS))
+    for s in samples:
+        data = rows[s.prompt_index]["label"]["data"]
+        [reply] = turns(tok, s)
+        assert s.reward == run(score_messages("vf_qa", args, data, reply))
+
+    _, samples = train_two_steps(tmp_path / "ta", "textarena_env.py", "--rollout.max-new-tokens", 8)
+    rows = ta_agent.load_data(ta_agent.DEFAULTS["data.path"], agent_config("textarena_env.py"))
+    assert any(len(turns(tok, s)) > 1 for s in samples)  # multi-turn games
+    for s in samples:
+        result = run(replay(rows[s.prompt_index], turns(tok, s)))
+        assert result.terminated and s.reward == result.reward
+
+
+async def score_messages(env_id: str, args: str, data: dict, reply: str):
+    """The environment's own score of a reply given as plain chat messages (a transcript built here, not recorded)."""
+    import verifiers.v1 as vf
+    from verifiers.v1.dialects.chat import parse_message
+    from verifiers.v1.trace import AgentInfo, TraceTask
+    task = vf_agent.task_of(vf_agent.environment(env_id, args), data)
+    wire = [{"role": "user", "content": data["prompt"]}, {"role": "assistant", "content": reply}]
+    nodes = [vf.MessageNode(parent=i - 1 if i else None, message=parse_message(m), sampled=m["role"] == "assistant")
+             for i, m in enumerate(wire)]
+    trace = vf.Trace(task=TraceTask(type=type(task).__name__, data=task.data),
+                     agent=AgentInfo(config=vf.AgentConfig()), nodes=nodes)
+    await task.score(trace)
+    return trace.reward
