@@ -811,6 +811,13 @@ class Result:
 
 class Env:
     """Gymnasium-shaped: one fresh instance per episode; the framework owns the LLM loop."""
+    judge_url = judge_model = judge_api_key = ""  # set before reset(): see judge()
+
+    def judge(self, **kw):
+        """An AsyncOpenAI client for the judge endpoint, as ChatContext.judge(): the policy's own engines through the
+        loopback server's unrecorded route unless --judge.url. A judge, a user simulator or an opponent: its calls
+        are never part of the trajectory."""
+        return _shared_client("openai").with_options(base_url=self.judge_url, api_key=self.judge_api_key, **kw)
 
     async def reset(self, prompt, label):
         """Return the first observation: the prompt string or a list of chat messages. The default keeps the label
@@ -931,6 +938,7 @@ class StepEnvRunner(Runner):
 
     async def run(self, ep: Episode, pool) -> list[Sample]:
         env, codec = self.env_cls(), pool.codec
+        env.judge_url, env.judge_model, env.judge_api_key = pool.server.judge_endpoint()
         obs = await env.reset(ep.prompt, ep.label)
         sample = Sample(group_id=ep.group_id, rollout_id=ep.rollout_id)
         sample.add_context(*await codec.encode_async(codec.render(as_messages(obs, ep.images), ep.tools), ep.images))
@@ -2669,14 +2677,19 @@ class LoopbackServer:
         user = [m for m in messages if m["role"] == "user"]
         last = user[-1]["content"] if user else ""
         text = last if isinstance(last, str) else "".join(p.get("text", "") for p in last if p.get("type") == "text")
-        root, judge = f"http://127.0.0.1:{self.port}/s/{sid}", self.cfg.judge
+        root, (judge_url, judge_model, judge_key) = f"http://127.0.0.1:{self.port}/s/{sid}", self.judge_endpoint()
         return ChatContext(messages=messages, prompt=text, label=ep.label, images=list(ep.images), tools=ep.tools,
                            sampling_params=dict(ep.sampling), base_url=root + "/v1", session_url=root,
                            api_key=key, model_name=self.model_name, session_id=sid,
                            max_length=self.cfg.data.max_len, max_turns=self.cfg.rollout.max_turns,
-                           judge_url=judge.url or f"http://127.0.0.1:{self.port}/v1",
-                           judge_model=judge.model or self.model_name,
-                           judge_api_key=os.environ.get(judge.api_key_env, "") if judge.url else self.key)
+                           judge_url=judge_url, judge_model=judge_model, judge_api_key=judge_key)
+
+    def judge_endpoint(self) -> tuple[str, str, str]:
+        """URL, model and key of the judge: --judge.url's, or this server's unrecorded route to the policy."""
+        judge = self.cfg.judge
+        if judge.url:
+            return judge.url, judge.model or self.model_name, os.environ.get(judge.api_key_env, "")
+        return f"http://127.0.0.1:{self.port}/v1", judge.model or self.model_name, self.key
 
     def close(self, sid: str) -> Session:
         return self.sessions.pop(sid)
@@ -3349,8 +3362,7 @@ class AgentPool:
         d = self.cfg.data
         if self.watchdog is None:
             self.watchdog = asyncio.ensure_future(self.watch_loop())
-        if isinstance(self.runner, ChatAgentRunner):
-            await self.server.start()
+        await self.server.start()  # chat agents' sessions, and any agent's judge (Env.judge(), ctx.judge())
         try:
             images = await asyncio.to_thread(row_images, self.cfg.data, row, self.codec)
             prompt = row[d.prompt_key]
@@ -3405,6 +3417,8 @@ def load_rows(path: str, d: DataConfig, cfg: Config | None = None) -> list[dict]
 
 
 def read_rows(path: str, d: DataConfig) -> list[dict]:
+    if not path:
+        raise UsageError("no prompts: give --data (this agent module has no load_data to make them)")
     if path.endswith((".jsonl", ".json")) and os.path.isfile(path):
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]

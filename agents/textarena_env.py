@@ -7,10 +7,11 @@ invalid moves; one player: the game's own score).
         --env.args '{"kwargs": {"GuessTheNumber-v0": {"max_turns": 5}}}'
 
 --data textarena:ID[,ID...] makes one row per (game, seed); --env.args: "size" (seeds per game, 256), "seed" (the
-run's --seed), "kwargs" ({id: ta.make keyword arguments}), "players" ({id: number}, for games outside PLAYERS). Each
+run's --seed), "kwargs" ({id: ta.make keyword arguments}), "players" ({id: number}, for games outside PLAYERS), "opponent" ("random", or "policy": the
+policy itself through the loopback server's unrecorded route, Env.judge(), not trained on; "opponent_tokens" 32). Each
 turn the policy sees only what is new in its observation (TextArena's wrapper repeats the whole game each turn; the
 conversation already holds it). The policy plays every other seed's first move. TextArena 0.7 has no opponent
-that runs offline (its agents call model APIs), so the opponent here is a uniformly random legal move, seeded per
+that runs offline (its agents call model APIs), so the default one is a uniformly random legal move, seeded per
 episode: a replay of the same actions gives the same game. TextArena's reset(seed) reseeds Python's global random.
 """
 import json
@@ -40,15 +41,20 @@ def load_data(spec: str, cfg) -> list[dict]:
         if not players:
             raise molt.UsageError(f"textarena: how many players does {game} have? --env.args "
                                   f"'{{\"players\": {{\"{game}\": N}}}}'")
-        kwargs = args.get("kwargs", {}).get(game, {})
-        rows += [{"prompt": f"{game} #{s}", "label": {"game": game, "seed": s, "players": players, "kwargs": kwargs}}
+        label = {"players": players, "kwargs": args.get("kwargs", {}).get(game, {}),
+                 "opponent": args.get("opponent", "random"), "opponent_tokens": args.get("opponent_tokens", 32)}
+        rows += [{"prompt": f"{game} #{s}", "label": {"game": game, "seed": s, **label}}
                  for s in range(seed, seed + args.get("size", 256))]
     return rows
 
 
+def legal_moves(obs: str) -> list[str]:
+    return MOVES.findall(obs.rsplit("Available Moves", 1)[-1]) if "Available Moves" in obs else []
+
+
 def random_move(obs: str, rng: random.Random) -> str:
     """The fixed opponent: a uniformly random move among those the game lists as legal."""
-    moves = MOVES.findall(obs.rsplit("Available Moves", 1)[-1]) if "Available Moves" in obs else []
+    moves = legal_moves(obs)
     if not moves:
         raise RuntimeError("the opponent found no 'Available Moves' in its observation: this game needs an opponent "
                            "of its own")
@@ -63,18 +69,31 @@ class Game(Env):
         self.game.reset(num_players=label["players"], seed=label["seed"])
         self.me, self.rng = label["seed"] % label["players"], random.Random(label["seed"])
         self.turn = self.game.get_observation()
-        if self.opponents_move():
+        if await self.opponents_move():
             raise RuntimeError(f"{label['game']} ended before the policy's first move")
         return self.news()
 
-    def opponents_move(self) -> bool:
+    async def opponents_move(self) -> bool:
         """Play the opponent until it is the policy's turn; True when the game ended."""
         while self.turn[0] != self.me:
-            done, _ = self.game.step(action=random_move(self.turn[1], self.rng))
+            done, _ = self.game.step(action=await self.opponent(self.turn[1]))
             if done:
                 return True
             self.turn = self.game.get_observation()
         return False
+
+    async def opponent(self, obs: str) -> str:
+        """The opponent's move: random, or the policy itself sampled through the judge route (self-play; its
+        calls are not recorded, so only the policy's side trains). A sampled move the game lists as illegal is
+        replaced by a random legal one: an opponent that forfeits teaches nothing."""
+        if self.label["opponent"] == "random":
+            return random_move(obs, self.rng)
+        reply = await self.judge().chat.completions.create(
+            model=self.judge_model, messages=[{"role": "user", "content": obs}], temperature=1.0,
+            max_tokens=self.label["opponent_tokens"])
+        text, legal = reply.choices[0].message.content or "", legal_moves(obs)
+        move = re.search(r"\[[^\]]+\]", text)
+        return random_move(obs, self.rng) if legal and (move is None or move.group(0) not in legal) else text
 
     def news(self) -> str:
         """What the policy has not seen yet of its observation (the wrapper's text only grows)."""
@@ -87,7 +106,7 @@ class Game(Env):
         done, _ = self.game.step(action=action)
         if not done:
             self.turn = self.game.get_observation()
-            done = self.opponents_move()
+            done = await self.opponents_move()
         if not done:
             return Result(observation=self.news(), terminated=False)
         rewards, info = self.game.close()

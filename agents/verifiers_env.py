@@ -1,10 +1,11 @@
 """A verifiers (0.4) environment as a Molt agent: its own rollout logic (harness, tools, turns) runs against the
 loopback server, which records every turn token-exactly; its task's rewards are the reward, its metrics the info.
 
+    python molt.py --agent agents/verifiers_env.py                  # examples/verifiers/vf_calc.py on the tiny model
     python molt.py --agent agents/verifiers_env.py --env.id my_env --env.args '{"path": "envs/"}'
 
 --env.id: the environment (a verifiers taskset package: installed, or a module under "path"). --env.args:
-"path" (a directory put on the import path, for an environment that is not installed), "taskset" (its taskset
+"path" (directories put on the import path, for an environment that is not installed), "taskset" (its taskset
 config's fields), "harness" ("null": verifiers' plain chat loop with the task's tools; "bash" adds its coding tools),
 "max_turns" (8), "sampling" (more request fields, e.g. {"tool_choice": "required"}). --data is the environment's own task set unless given (rows of its TaskData
 fields: prompt, and what its rewards read). Each episode runs verifiers' harness program in a local subprocess
@@ -26,7 +27,10 @@ from pathlib import Path
 import molt
 from molt import ChatAgent, ChatAgentRunner, Result
 
-DEFAULTS = {"rollout.max_new_tokens": 64, "rollout.n_samples_per_prompt": 4, "rollout.batch_size": 4, "steps": 4}
+HERE = os.path.dirname(os.path.abspath(__file__))
+EXAMPLES = os.path.join(HERE, "..", "examples", "verifiers")  # vf_qa (single-turn), vf_calc (a calculator tool)
+DEFAULTS = {"env.id": "vf_calc", "env.args": json.dumps({"path": EXAMPLES}), "rollout.max_new_tokens": 64,
+            "rollout.n_samples_per_prompt": 4, "rollout.batch_size": 4, "steps": 4}
 
 
 def offline_chat_program():
@@ -48,9 +52,9 @@ def environment(env_id: str, args: str):
     """The verifiers Env, built once per process (taskset, harness and runtime as --env.args say)."""
     import verifiers.v1 as vf
     options = json.loads(args)
-    if options.get("path"):  # the harness and tool servers are subprocesses: they need it too
-        path = os.path.abspath(options["path"])
-        sys.path.insert(0, path)
+    paths = options.get("path") or []
+    for path in map(os.path.abspath, [paths] if isinstance(paths, str) else paths):
+        sys.path.insert(0, path)  # the harness and tool servers are subprocesses: they need it too
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p)
     offline_chat_program()
     agent = vf.AgentConfig(harness={"id": options.get("harness", "null")}, runtime=vf.SubprocessConfig(),
@@ -70,6 +74,13 @@ async def serving(env):
         _SERVING[key] = stack = contextlib.AsyncExitStack()
         await stack.enter_async_context(env.serving())
     return env
+
+
+async def close():
+    """Leave this event loop's serving contexts (a pool's end does it by exiting; tests and benchmarks call it)."""
+    loop = asyncio.get_running_loop()
+    for key in [k for k in _SERVING if k[0] is loop]:
+        await _SERVING.pop(key).aclose()
 
 
 def load_data(spec: str, cfg) -> list[dict]:

@@ -17,7 +17,7 @@ import molt
 from conftest import run, small_config
 
 ROOT = Path(__file__).resolve().parent.parent
-ENVS = str(ROOT / "tests" / "envs")
+ENVS = str(ROOT / "examples" / "verifiers")  # vf_qa, vf_calc (and tests/envs: vf_broken)
 vf_agent = molt.import_path(str(ROOT / "agents" / "verifiers_env.py"))
 rg_agent = molt.import_path(str(ROOT / "agents" / "reasoning_gym.py"))
 ta_agent = molt.import_path(str(ROOT / "agents" / "textarena_env.py"))
@@ -35,19 +35,27 @@ def run_rows(engine, model, cfg, rows, n=2, runner=None):
         pool.runner = runner or pool.runner
         outs = [await pool.run_group(row, n, dict(SAMPLING), uuid.uuid4().hex, i) for i, row in enumerate(rows)]
         await pool.server.stop()
+        for module in {sys.modules[c.__module__] for c in getattr(pool.runner, "agent_cls", object).__mro__}:
+            if module is not sys.modules[__name__] and hasattr(module, "close"):  # verifiers' serving contexts
+                await module.close()
         return outs
     return run(main())
 
 
-def turns(tok, s: molt.Sample) -> list[str]:
-    """The text of each sampled turn of a Sample (runs of mask 1), as Molt's codec decodes it for an Env."""
+def sampled_runs(s: molt.Sample) -> list[tuple]:
+    """The token ids of each sampled turn of a Sample (its runs of mask 1)."""
     runs, cur = [], []
     for t, m in zip(s.tokens, s.mask):
         if m:
             cur.append(t)
         elif cur:
-            runs, cur = runs + [cur], []
-    return [tok.decode(r, skip_special_tokens=True) for r in runs + ([cur] if cur else [])]
+            runs, cur = runs + [tuple(cur)], []
+    return runs + ([tuple(cur)] if cur else [])
+
+
+def turns(tok, s: molt.Sample) -> list[str]:
+    """The text of each sampled turn, as Molt's codec decodes it for an Env."""
+    return [tok.decode(r, skip_special_tokens=True) for r in sampled_runs(s)]
 
 
 # ---------------------------------------------------------------- reasoning-gym
@@ -153,7 +161,7 @@ def test_verifiers_tool_env_runs_its_tools_through_the_loopback_server(engine, t
 
 
 def test_a_malformed_verifiers_env_costs_its_episode(engine, tiny):
-    cfg = agent_config("verifiers_env.py", "vf_broken", path=ENVS)
+    cfg = agent_config("verifiers_env.py", "vf_broken", path=[str(ROOT / "tests" / "envs")])
     outs = run_rows(engine, tiny, cfg, vf_agent.load_data("", cfg))
     assert [o.samples for o in outs] == [[], []]  # a reward that raises, one that is NaN: counted apart
     assert [o.failures for o in outs] == [{"error": 2}, {"bad_result": 2}]
@@ -165,6 +173,8 @@ def test_env_options_are_checked_at_launch():
     for bad in ("[1]", "{oops", '"x"'):
         with pytest.raises(molt.UsageError, match="--env.args must be a JSON object"):
             molt.parse_config(["--env.args", bad])
+    with pytest.raises(molt.UsageError, match="no prompts: give --data"):  # no --data and no load_data
+        molt.load_rows("", molt.DataConfig(), small_config(agent=str(ROOT / "agents" / "math.py")))
     with pytest.raises(molt.UsageError, match="how many players"):
         ta_agent.load_data("textarena:Chess-v0", agent_config("textarena_env.py"))
 
@@ -187,7 +197,8 @@ async def replay(row, actions: list[str]):
 def test_textarena_games_end_with_the_librarys_outcome():
     cfg = agent_config("textarena_env.py", size=3, kwargs={"GuessTheNumber-v0": {"max_turns": 4}})
     rows = ta_agent.load_data("textarena:TicTacToe-v0,GuessTheNumber-v0", cfg)
-    assert len(rows) == 6 and rows[1]["label"] == {"game": "TicTacToe-v0", "seed": 1, "players": 2, "kwargs": {}}
+    assert len(rows) == 6 and rows[1]["label"] == {"game": "TicTacToe-v0", "seed": 1, "players": 2, "kwargs": {},
+                                                   "opponent": "random", "opponent_tokens": 32}
     outcomes = set()
     for row in rows[:3]:
         for attempt in range(20):  # random legal moves: wins, losses and draws all occur
@@ -202,10 +213,35 @@ def test_textarena_games_end_with_the_librarys_outcome():
     assert invalid.reward == -1.0 and invalid.info["ta/invalid_move"] == 1.0
 
 
+def test_self_play_the_opponent_is_the_policy_through_the_unrecorded_route(engine, tiny):
+    """--env.args opponent=policy: the opponent's moves are sampled by the same engine (Env.judge()) and never
+    trained: the engine's calls are each sample's own turns plus the opponent's, which no sample holds."""
+    from test_agents import Recorder
+    cfg = agent_config("textarena_env.py", size=2, opponent="policy", opponent_tokens=8)
+    rows = ta_agent.load_data("textarena:TicTacToe-v0", cfg)
+    tok = AutoTokenizer.from_pretrained(tiny)
+
+    async def main():
+        pool = molt.AgentPool(cfg, cfg.agent, tiny, [engine])
+        pool.router = pool.server.router = Recorder([engine])
+        outs = [await pool.run_group(row, 2, dict(SAMPLING, max_tokens=8), uuid.uuid4().hex, i)
+                for i, row in enumerate(rows)]
+        await pool.server.stop()
+        return outs, pool.router.calls
+    outs, calls = run(main())
+    samples = [s for o in outs for s in o.samples]
+    assert all(o.failures == {} for o in outs) and len(samples) == 4
+    trained = [r for s in samples for r in sampled_runs(s)]
+    policy = [c for c in calls if tuple(c.ids) in set(trained)]
+    assert len(policy) == len(trained) and len(calls) > len(trained)  # the rest are the opponent's moves
+
+
+
 def test_a_malformed_game_costs_its_episode(engine, tiny):
     cfg = agent_config("textarena_env.py")
-    bad = [{"prompt": "x", "label": {"game": "NoSuchGame-v0", "seed": 0, "players": 2, "kwargs": {}}},
-           {"prompt": "x", "label": {"game": "GuessTheNumber-v0", "seed": 0, "players": 1, "kwargs": {"nope": 1}}}]
+    bad = [{"prompt": "x", "label": {"game": "NoSuchGame-v0", "seed": 0, "players": 2, "kwargs": {}, "opponent": "random"}},
+           {"prompt": "x", "label": {"game": "GuessTheNumber-v0", "seed": 0, "players": 1, "kwargs": {"nope": 1},
+            "opponent": "random"}}]
     outs = run_rows(engine, tiny, cfg, bad)
     assert [o.failures for o in outs] == [{"error": 2}, {"error": 2}] and not any(o.samples for o in outs)
 
