@@ -464,9 +464,11 @@ def validate_config(cfg: Config) -> Config:
     if ro.batch_size < 1 or ro.n_samples_per_prompt < 1 or cfg.steps < 0:
         raise UsageError("--rollout.batch-size, --rollout.n-samples-per-prompt must be >= 1 and --steps >= 0")
     try:
-        assert isinstance(json.loads(cfg.env.args), dict)
-    except (ValueError, AssertionError):
-        raise UsageError(f"--env.args must be a JSON object, not {cfg.env.args!r}") from None
+        env_args = json.loads(cfg.env.args)
+    except ValueError:
+        env_args = None
+    if not isinstance(env_args, dict):
+        raise UsageError(f"--env.args must be a JSON object, not {cfg.env.args!r}")
     ro.stall_timeout = ro.stall_timeout or 2 * ro.agent_timeout + 60
     return cfg
 

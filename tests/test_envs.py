@@ -173,6 +173,10 @@ def test_env_options_are_checked_at_launch():
     for bad in ("[1]", "{oops", '"x"'):
         with pytest.raises(molt.UsageError, match="--env.args must be a JSON object"):
             molt.parse_config(["--env.args", bad])
+    cfg = agent_config("reasoning_gym.py", size=3)  # Molt's loader hands the spelling to the module's load_data
+    cfg.data.max_prompts = 2
+    rows = molt.load_rows("reasoning-gym:letter_counting", cfg.data, cfg)
+    assert [r["label"]["task"] for r in rows] == ["letter_counting"] * 2
     with pytest.raises(molt.UsageError, match="no prompts: give --data"):  # no --data and no load_data
         molt.load_rows("", molt.DataConfig(), small_config(agent=str(ROOT / "agents" / "math.py")))
     with pytest.raises(molt.UsageError, match="how many players"):
@@ -266,8 +270,8 @@ def train_two_steps(tmp_path, agent, *args):
 
 @pytest.mark.slow
 def test_envs_train_two_steps_and_their_rewards_are_the_librarys(tmp_path, tiny):
-    """reasoning-gym's 3-task mix, the verifiers QA environment and tic-tac-toe each train 2 steps on the tiny model;
-    every dumped sample's reward is the library's score of its decoded turns."""
+    """reasoning-gym's 3-task mix, the verifiers QA and calculator-tool environments and tic-tac-toe each train 2
+    steps on the tiny model; every dumped sample's reward is the library's score of its decoded turns."""
     import reasoning_gym
     tok = AutoTokenizer.from_pretrained(tiny)
     spec = "reasoning-gym:basic_arithmetic,leg_counting,letter_counting"
@@ -280,12 +284,13 @@ def test_envs_train_two_steps_and_their_rewards_are_the_librarys(tmp_path, tiny)
             reasoning_gym.utils.extract_answer(reply), label["entry"])
 
     args = json.dumps({"path": ENVS})
-    _, samples = train_two_steps(tmp_path / "vf", "verifiers_env.py", "--env.id", "vf_qa", "--env.args", args)
-    rows = vf_agent.load_data("", agent_config("verifiers_env.py", "vf_qa", path=ENVS))
-    for s in samples:
-        data = rows[s.prompt_index]["label"]["data"]
-        [reply] = turns(tok, s)
-        assert s.reward == run(score_messages("vf_qa", args, data, reply))
+    for env_id, flags in (("vf_qa", ["--env.id", "vf_qa", "--env.args", args]), ("vf_calc", [])):  # vf_calc: defaults
+        _, samples = train_two_steps(tmp_path / env_id, "verifiers_env.py", *flags)
+        rows = vf_agent.load_data("", agent_config("verifiers_env.py", env_id, path=ENVS))
+        for s in samples:  # (the tiny model does not call the calculator unforced: one turn each)
+            data = rows[s.prompt_index]["label"]["data"]
+            [reply] = turns(tok, s)
+            assert s.reward == run(score_messages(env_id, args, data, reply))
 
     _, samples = train_two_steps(tmp_path / "ta", "textarena_env.py", "--rollout.max-new-tokens", 8)
     rows = ta_agent.load_data(ta_agent.DEFAULTS["data.path"], agent_config("textarena_env.py"))
