@@ -817,9 +817,9 @@ class Env:
 
     def judge(self, **kw):
         """An AsyncOpenAI client for the judge endpoint, as ChatContext.judge(): the policy's own engines through the
-        loopback server's unrecorded route unless --judge.url. A judge, a user simulator or an opponent: its calls
-        are never part of the trajectory."""
-        return _shared_client("openai").with_options(base_url=self.judge_url, api_key=self.judge_api_key, **kw)
+        loopback server's unrecorded route unless --judge.url (then that model). A judge, a user simulator or an
+        opponent: its calls are never part of the trajectory."""
+        return ChatContext.judge(self, **kw)
 
     async def reset(self, prompt, label):
         """Return the first observation: the prompt string or a list of chat messages. The default keeps the label
@@ -3403,12 +3403,12 @@ class AgentPool:
         return []
 
 
-def load_rows(path: str, d: DataConfig, cfg: Config | None = None) -> list[dict]:
-    """Prompt rows. An agent module that defines load_data(path, cfg) makes them itself (an environment library's
-    own data set or generator: path may be empty or a spelling of its own, e.g. reasoning-gym:TASK); otherwise
-    .jsonl / .json / .parquet, a datasets.save_to_disk directory, or an HF dataset name."""
+def load_rows(path: str, d: DataConfig, cfg: Config | None = None, evaluation=False) -> list[dict]:
+    """Prompt rows. An agent module that defines load_data(path, cfg, evaluation) makes them itself (an environment
+    library's own data set or generator: path may be empty or a spelling of its own, e.g. reasoning-gym:TASK);
+    otherwise .jsonl / .json / .parquet, a datasets.save_to_disk directory, or an HF dataset name."""
     load = getattr(import_path(cfg.agent), "load_data", None) if cfg and cfg.agent else None
-    rows = list(load(path, cfg)) if load else read_rows(path, d)
+    rows = list(load(path, cfg, evaluation)) if load else read_rows(path, d)
     if not rows:
         raise UsageError(f"{path or cfg.agent}: no rows")
     missing = [i for i, r in enumerate(rows) if not isinstance(r, dict) or d.prompt_key not in r]
@@ -4134,7 +4134,8 @@ def rl_main(cfg: Config):
     t_start = time.time()
     step, engines, models, manager = launch(cfg, rows, data_id, ckpt)
     offline = offline_batches(cfg.offline_samples) if cfg.offline_samples else None
-    eval_rows = load_rows(cfg.data.eval_path, cfg.data, cfg) if cfg.data.eval_path and manager else None
+    eval_rows = load_rows(cfg.data.eval_path, cfg.data, cfg, evaluation=True) if cfg.data.eval_path and manager \
+        else None
     print(f"[molt] {cfg.run_dir}: {'resumed at step ' + str(step) if ckpt else 'fresh run'}, "
           f"start-up {time.time() - t_start:.1f}s{log_note(cfg)}", file=sys.stderr)
     log, sync, recent = Logger(cfg, cfg.run_dir, step), WeightSync(cfg, models["policy"], engines), []

@@ -7,10 +7,12 @@ the reward, graded off the event loop. Needs the envs extra (scripts/setup.sh in
         --data reasoning-gym:chain_sum,countdown,number_sorting --env.args '{"size": 2000, "seed": 1, "level": 1}'
 
 --env.args: "size" (rows per task, 500), "seed" (the run's --seed), "level" (every task's config at that level of
-its reasoning-gym curriculum; default: the task's own defaults), "config" ({task: {field: value}} overrides, e.g.
-{"basic_arithmetic": {"max_terms": 2}}), "system" (a reasoning-gym system prompt name, "default"). --eval-data takes
-the same spelling; its rows come from seed + 1.
+its reasoning-gym curriculum), "config" ({task: {field: value}}, e.g. {"basic_arithmetic": {"max_terms": 2}}),
+"system" (a reasoning-gym system prompt name, "default"). Without level or config a task takes its own defaults,
+except the three of the default mix, which take EASY's (answers of a few characters). --eval-data takes the same
+spelling; its rows come from seed + 1.
 """
+import dataclasses
 import itertools
 import json
 
@@ -27,8 +29,6 @@ EASY = {"basic_arithmetic": dict(min_terms=2, max_terms=2, min_digits=1, max_dig
 
 def task_config(task: str, args: dict, seed: int) -> dict:
     """create_dataset's keyword arguments for one task: its curriculum level if asked, then the overrides."""
-    import dataclasses
-
     from reasoning_gym.factory import create_curriculum
     cfg = {"size": args.get("size", 500), "seed": seed}
     if "level" in args:
@@ -38,14 +38,14 @@ def task_config(task: str, args: dict, seed: int) -> dict:
     return {**cfg, **args.get("config", {}).get(task, EASY.get(task, {}) if "level" not in args else {})}
 
 
-def load_data(spec: str, cfg) -> list[dict]:
+def load_data(spec: str, cfg, evaluation: bool) -> list[dict]:
     """Prompt rows for --data / --eval-data reasoning-gym:TASKS; any other spelling is read as a data file."""
     if not spec.startswith(SCHEME):
         return molt.read_rows(spec, cfg.data)
     import reasoning_gym
     from reasoning_gym.utils import SYSTEM_PROMPTS
     args = json.loads(cfg.env.args)
-    seed = args.get("seed", cfg.seed) + (spec == cfg.data.eval_path)  # evaluation rows differ from training rows
+    seed = args.get("seed", cfg.seed) + evaluation  # evaluation rows differ from training rows
     system = SYSTEM_PROMPTS[args.get("system", "default")]
     tasks = [t for t in spec[len(SCHEME):].split(",") if t]
     per_task = [[{"prompt": [{"role": "system", "content": system}, {"role": "user", "content": e["question"]}],
@@ -61,7 +61,8 @@ class ReasoningGym(Env):  # Env.reset keeps the label ({"task", "entry"}) as sel
         answer = extract_answer(action)
         score = reasoning_gym.get_score_answer_fn(self.label["task"])
         reward = float(await molt.offload(score, answer, self.label["entry"]))
-        return Result(reward=reward, info={f"rg/{self.label['task']}": reward, "rg/missing_answer": float(answer is None)})
+        return Result(reward=reward, info={f"rg/{self.label['task']}": reward,
+                                           "rg/missing_answer": float(answer is None)})
 
 
 AgentRunner = StepEnvRunner(ReasoningGym)

@@ -2,18 +2,20 @@
 other, and the game's outcome for the policy's side is the reward (two players: 1 win, 0 draw, -1 loss or repeated
 invalid moves; one player: the game's own score).
 
-    python molt.py --agent agents/textarena_env.py                              # tic-tac-toe on the tiny model
+    python molt.py --agent agents/textarena_env.py                          # tic-tac-toe on the tiny model
     python molt.py --agent agents/textarena_env.py --data textarena:GuessTheNumber-v0 \\
         --env.args '{"kwargs": {"GuessTheNumber-v0": {"max_turns": 5}}}'
 
 --data textarena:ID[,ID...] makes one row per (game, seed); --env.args: "size" (seeds per game, 256), "seed" (the
-run's --seed), "kwargs" ({id: ta.make keyword arguments}), "players" ({id: number}, for games outside PLAYERS), "opponent" ("random", or "policy": the
-policy itself through the loopback server's unrecorded route, Env.judge(), not trained on; "opponent_tokens" 32). Each
-turn the policy sees only what is new in its observation (TextArena's wrapper repeats the whole game each turn; the
-conversation already holds it). The policy plays every other seed's first move. TextArena 0.7 has no opponent
-that runs offline (its agents call model APIs), so the default one is a uniformly random legal move, seeded per
-episode: a replay of the same actions gives the same game. TextArena's reset(seed) reseeds Python's global random.
+run's --seed), "kwargs" ({id: ta.make keyword arguments}), "players" ({id: number}, for games outside PLAYERS),
+"opponent" ("random", or "policy": the policy itself through the loopback server's unrecorded route, Env.judge(), not
+trained on; with --judge.url, that model; "opponent_tokens" 32). Each turn the policy sees only what is new in its
+observation (TextArena's wrapper repeats the whole game each turn; the conversation already holds it). The policy
+plays every other seed's first move. TextArena 0.7 has no opponent that runs offline (its agents call model APIs), so
+the default one is a uniformly random legal move, seeded per episode: a replay of the same actions gives the same
+game. TextArena's reset(seed) reseeds Python's global random.
 """
+import contextlib
 import json
 import random
 import re
@@ -29,12 +31,12 @@ DEFAULTS = {"data.path": SCHEME + "TicTacToe-v0", "rollout.max_new_tokens": 16, 
 MOVES = re.compile(r"'(\[[^\]]+\])'")  # TextArena lists legal moves as: Available Moves: '[0]', '[4]', ...
 
 
-def load_data(spec: str, cfg) -> list[dict]:
+def load_data(spec: str, cfg, evaluation: bool) -> list[dict]:
     """One row per (game, seed): the prompt names the game (reset() replaces it with the game's own)."""
     if not spec.startswith(SCHEME):
         return molt.read_rows(spec, cfg.data)
     args = json.loads(cfg.env.args)
-    seed = args.get("seed", cfg.seed) * 100_003 + (spec == cfg.data.eval_path) * 50_000
+    seed = args.get("seed", cfg.seed) * 100_003 + evaluation * 50_000  # evaluation games differ from training's
     rows = []
     for game in (g for g in spec[len(SCHEME):].split(",") if g):
         players = args.get("players", {}).get(game) or PLAYERS.get(game)
@@ -84,16 +86,24 @@ class Game(Env):
 
     async def opponent(self, obs: str) -> str:
         """The opponent's move: random, or the policy itself sampled through the judge route (self-play; its
-        calls are not recorded, so only the policy's side trains). A sampled move the game lists as illegal is
-        replaced by a random legal one: an opponent that forfeits teaches nothing."""
+        calls are not recorded, so only the policy's side trains). Where the game lists its legal moves the sample
+        is guided to one of them (a JSON string from the list); one that still fails to parse (cut at
+        opponent_tokens) is replaced by a random legal move: an opponent that forfeits teaches nothing."""
+        legal = legal_moves(obs)
         if self.label["opponent"] == "random":
             return random_move(obs, self.rng)
+        guide = {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "move", "schema": {"type": "string", "enum": legal}}}} if legal else {}
         reply = await self.judge().chat.completions.create(
             model=self.judge_model, messages=[{"role": "user", "content": obs}], temperature=1.0,
-            max_tokens=self.label["opponent_tokens"])
-        text, legal = reply.choices[0].message.content or "", legal_moves(obs)
-        move = re.search(r"\[[^\]]+\]", text)
-        return random_move(obs, self.rng) if legal and (move is None or move.group(0) not in legal) else text
+            max_tokens=self.label["opponent_tokens"], **guide)
+        text = reply.choices[0].message.content or ""
+        if not legal:
+            return text
+        with contextlib.suppress(ValueError):
+            if (move := json.loads(text)) in legal:
+                return move
+        return random_move(obs, self.rng)
 
     def news(self) -> str:
         """What the policy has not seen yet of its observation (the wrapper's text only grows)."""

@@ -4,12 +4,13 @@ loopback server, which records every turn token-exactly; its task's rewards are 
     python molt.py --agent agents/verifiers_env.py                  # examples/verifiers/vf_calc.py on the tiny model
     python molt.py --agent agents/verifiers_env.py --env.id my_env --env.args '{"path": "envs/"}'
 
---env.id: the environment (a verifiers taskset package: installed, or a module under "path"). --env.args:
-"path" (directories put on the import path, for an environment that is not installed), "taskset" (its taskset
-config's fields), "harness" ("null": verifiers' plain chat loop with the task's tools; "bash" adds its coding tools),
-"max_turns" (8), "sampling" (more request fields, e.g. {"tool_choice": "required"}). --data is the environment's own task set unless given (rows of its TaskData
-fields: prompt, and what its rewards read). Each episode runs verifiers' harness program in a local subprocess
-(never a Prime sandbox) with this Python; a task whose reward or rollout errs costs its episode, counted.
+--env.id: the environment (a verifiers taskset package: installed, or a module under "path"). --env.args: "path"
+(directories put on the import path, for an environment that is not installed), "taskset" (its taskset config's
+fields), "harness" ("null": verifiers' plain chat loop with the task's tools; "bash" adds its coding tools),
+"max_turns" (8), "sampling" (more request fields, e.g. {"tool_choice": "required"}). --data is the environment's own
+task set unless given (rows of its TaskData fields: prompt, and what its rewards read). Each episode runs verifiers'
+harness program in a local subprocess (never a Prime sandbox) with this Python; a task whose reward or rollout errs
+costs its episode, counted.
 
 Unlike verifiers' own trainer, which renders the prompt to token ids on its side (its renderers package) and sends
 them to vLLM's generate endpoint, here the environment speaks the plain chat API and Molt's server owns the tokens:
@@ -22,6 +23,7 @@ import hashlib
 import json
 import os
 import sys
+import weakref
 from pathlib import Path
 
 import molt
@@ -42,9 +44,21 @@ def offline_chat_program():
     from verifiers.v1.runtimes.subprocess import SubprocessRuntime
     data = CHAT_PROGRAM_SOURCE.encode()
     path = Path(SubprocessRuntime.scripts_dir) / f"{hashlib.sha256(data).hexdigest()}.py"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
+    if not path.exists():  # named by its content; written whole (pools on a node share the directory)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_suffix(f".{os.getpid()}.part")
+        part.write_bytes(data)
+        os.replace(part, path)
     SubprocessRuntime._interpreters[str(path)] = sys.executable
+
+
+async def drop_client(env, client):
+    """verifiers 0.4.0's interception servers keep one HTTP client per endpoint config until they stop, and each
+    Molt session is an endpoint of its own (/s/ID/v1), so a run that never stops serving would keep one per
+    episode: close this episode's. Assumes env._interception.servers[*].clients keyed by config.model_dump_json()."""
+    for server in getattr(env._interception, "servers", []):
+        if (kept := server.clients.pop(client.model_dump_json(), None)) is not None:
+            await kept.close()
 
 
 @functools.cache
@@ -53,7 +67,7 @@ def environment(env_id: str, args: str):
     import verifiers.v1 as vf
     options = json.loads(args)
     paths = options.get("path") or []
-    for path in map(os.path.abspath, [paths] if isinstance(paths, str) else paths):
+    for path in map(molt.node_path, map(os.path.abspath, [paths] if isinstance(paths, str) else paths)):
         sys.path.insert(0, path)  # the harness and tool servers are subprocesses: they need it too
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p)
     offline_chat_program()
@@ -63,32 +77,41 @@ def environment(env_id: str, args: str):
                                                        agent=agent))
 
 
-_SERVING: dict = {}  # (event loop, env) -> the exit stack holding its serving resources
+_SERVING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> {(id, args): task -> env, stack}
 
 
-async def serving(env):
-    """Enter env.serving() once per event loop and keep it: it starts verifiers' local interception server (and
-    the environment's shared tools), which every episode of this agent pool uses."""
-    key = (asyncio.get_running_loop(), env)
-    if key not in _SERVING:
-        _SERVING[key] = stack = contextlib.AsyncExitStack()
-        await stack.enter_async_context(env.serving())
-    return env
+async def serving(env_id: str, args: str):
+    """The environment, inside env.serving() (verifiers' local interception server and the task's shared tools),
+    entered once per event loop by one task every episode awaits; built off the loop (imports, the task set)."""
+    tasks = _SERVING.setdefault(asyncio.get_running_loop(), {})
+    if (env_id, args) not in tasks:
+        async def enter():
+            env, stack = await molt.offload(environment, env_id, args), contextlib.AsyncExitStack()
+            await stack.enter_async_context(env.serving())
+            return env, stack
+        tasks[env_id, args] = asyncio.ensure_future(enter())
+    try:
+        return (await asyncio.shield(tasks[env_id, args]))[0]
+    except Exception:
+        tasks.pop((env_id, args), None)  # the next episode tries again
+        raise
 
 
 async def close():
     """Leave this event loop's serving contexts (a pool's end does it by exiting; tests and benchmarks call it)."""
-    loop = asyncio.get_running_loop()
-    for key in [k for k in _SERVING if k[0] is loop]:
-        await _SERVING.pop(key).aclose()
+    for task in _SERVING.pop(asyncio.get_running_loop(), {}).values():
+        if not task.cancelled() and task.exception() is None:
+            await task.result()[1].aclose()
 
 
-def load_data(spec: str, cfg) -> list[dict]:
+def load_data(spec: str, cfg, evaluation: bool) -> list[dict]:
     """The environment's task set as rows (the TaskData as the label), or a data file of TaskData rows."""
     if not cfg.env.id:
         raise molt.UsageError("agents/verifiers_env.py needs --env.id (a verifiers environment)")
     data = molt.read_rows(spec, cfg.data) if spec else \
         [t.data.model_dump(mode="json") for t in environment(cfg.env.id, cfg.env.args).taskset]
+    if bad := [i for i, row in enumerate(data) if "prompt" not in row]:
+        raise molt.UsageError(f"{spec}: row {bad[0]} has no 'prompt' (rows are the environment's TaskData fields)")
     return [{"prompt": row["prompt"], "label": {"env": cfg.env.id, "args": cfg.env.args, "data": row}} for row in data]
 
 
@@ -101,18 +124,20 @@ def task_of(env, data: dict):
 class Verifiers(ChatAgent):
     async def run(self, ctx) -> Result:
         import verifiers.v1 as vf
-        env = await serving(environment(ctx.label["env"], ctx.label["args"]))
-        key_var = f"MOLT_SESSION_KEY_{ctx.session_id}"  # verifiers reads the key from a variable
+        env = await serving(ctx.label["env"], ctx.label["args"])
+        # verifiers reads the key from a variable. One per session, gone with it; "API_KEY" in its name keeps it out
+        # of the harness and tool subprocesses (verifiers' subprocess runtime drops such variables)
+        key_var = f"MOLT_SESSION_API_KEY_{ctx.session_id}"
         os.environ[key_var] = ctx.api_key
         sampling = {**{k: ctx.sampling_params[k] for k in ("temperature", "top_p", "max_tokens")
                        if k in ctx.sampling_params}, **json.loads(ctx.label["args"]).get("sampling", {})}
-        model = vf.ModelContext(model=ctx.model_name, client=vf.EvalClientConfig(base_url=ctx.base_url,
-                                                                                api_key_var=key_var),
-                                sampling=vf.SamplingConfig(**sampling))
+        client = vf.EvalClientConfig(base_url=ctx.base_url, api_key_var=key_var)
+        model = vf.ModelContext(model=ctx.model_name, client=client, sampling=vf.SamplingConfig(**sampling))
         try:
             episode = await env.run_episode(task_of(env, ctx.label["data"]), model)
         finally:
             os.environ.pop(key_var, None)
+            await drop_client(env, client)
         trace = episode.traces[0] if episode.traces else None
         errors = list(episode.errors) + list(trace.errors if trace else [])
         if errors or trace is None or trace.reward is None:  # the episode fails (counted), never a reward of 0

@@ -3,8 +3,8 @@ alternating in one run on one tiny engine:
 
     .venv/bin/python scripts/bench_envs.py [--episodes 32] [--tokens 32] [--rounds 3]
 
-- verifiers (agents/verifiers_env.py on examples/verifiers/vf_qa.py: its harness program in a subprocess per episode, its
-  interception proxy, its scoring) against a ChatAgent making the same one call through the OpenAI SDK;
+- verifiers (agents/verifiers_env.py on examples/verifiers/vf_qa.py: its harness program in a subprocess per
+  episode, its interception proxy, its scoring) against a ChatAgent making the same one call through the OpenAI SDK;
 - reasoning-gym (agents/reasoning_gym.py: its rows, its score_answer off the event loop) against an Env that scores
   nothing;
 - TextArena tic-tac-toe against the random opponent (agents/textarena_env.py): episodes/s and turns/s, and the
@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -61,7 +62,6 @@ async def rate(pool, runner, rows, n, sampling):
 async def game_cost(rows, n=200):
     """ms per policy turn of the game alone (reset, steps, the random opponent), random legal moves as the policy."""
     ta = molt.import_path(os.path.join(ROOT, "agents", "textarena_env.py"))
-    import random
     turns, t = 0, time.perf_counter()
     for i in range(n):
         env = ta.Game()

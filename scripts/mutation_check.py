@@ -213,6 +213,13 @@ MUTATIONS = [
      "reward, mine = float(rewards[self.me]), info.get(self.me, {})",
      "reward, mine = float(rewards[1 - self.me if len(rewards) > 1 else self.me]), info.get(self.me, {})",
      ["tests/test_envs.py::test_textarena_games_end_with_the_librarys_outcome"], "agents/textarena_env.py"),
+    ("envs-vf-client-kept", "environments: every verifiers episode leaves its session's HTTP client behind",
+     "            await drop_client(env, client)\n", "",
+     ["tests/test_envs.py::test_verifiers_single_turn_env_its_rubric_is_the_reward"], "agents/verifiers_env.py"),
+    ("envs-rg-eval-is-train", "environments: reasoning-gym's evaluation rows are its training rows",
+     'seed = args.get("seed", cfg.seed) + evaluation', 'seed = args.get("seed", cfg.seed)',
+     ["tests/test_envs.py::test_reasoning_gym_rows_are_the_librarys_and_its_score_is_the_reward"],
+     "agents/reasoning_gym.py"),
     ("responses-chain-last-turn-only", "segments: a previous_response_id chain extends only the session's last turn "
      "(after another request it re-renders from text)", 'if rid := turn.echo.get("previous_response_id"):  # the stored',
      'if False and (rid := turn.echo.get("previous_response_id")):  # the stored',

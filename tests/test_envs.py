@@ -35,9 +35,10 @@ def run_rows(engine, model, cfg, rows, n=2, runner=None):
         pool.runner = runner or pool.runner
         outs = [await pool.run_group(row, n, dict(SAMPLING), uuid.uuid4().hex, i) for i, row in enumerate(rows)]
         await pool.server.stop()
-        for module in {sys.modules[c.__module__] for c in getattr(pool.runner, "agent_cls", object).__mro__}:
-            if module is not sys.modules[__name__] and hasattr(module, "close"):  # verifiers' serving contexts
-                await module.close()
+        for cls in getattr(pool.runner, "agent_cls", object).__mro__:  # verifiers' serving contexts, in whichever
+            close = getattr(vars(cls).get("run"), "__globals__", {}).get("close")  # copy of the module ran them
+            if close is not None:
+                await close()
         return outs
     return run(main())
 
@@ -65,7 +66,7 @@ def test_reasoning_gym_rows_are_the_librarys_and_its_score_is_the_reward():
     import reasoning_gym
     cfg = agent_config("reasoning_gym.py", size=4, seed=3, config={"leg_counting": {"max_animals": 1,
                                                                                    "min_animals": 1}})
-    rows = rg_agent.load_data("reasoning-gym:basic_arithmetic,leg_counting,letter_counting", cfg)
+    rows = rg_agent.load_data("reasoning-gym:basic_arithmetic,leg_counting,letter_counting", cfg, False)
     assert [r["label"]["task"] for r in rows[:3]] == ["basic_arithmetic", "leg_counting", "letter_counting"]
     assert len(rows) == 12 and json.loads(json.dumps(rows)) == rows  # JSON rows: dumps and resumes keep them
     again = reasoning_gym.create_dataset("leg_counting", size=4, seed=3, min_animals=1, max_animals=1)[0]
@@ -82,6 +83,8 @@ def test_reasoning_gym_rows_are_the_librarys_and_its_score_is_the_reward():
             answer = reasoning_gym.utils.extract_answer(reply)
             assert run(grade(row, reply)) == score(answer, row["label"]["entry"])
     assert run(grade(rows[0], f"<answer>{rows[0]['label']['entry']['answer']}</answer>")) == 1.0
+    evaluation = rg_agent.load_data("reasoning-gym:basic_arithmetic,leg_counting,letter_counting", cfg, True)
+    assert [r["label"]["entry"]["question"] for r in evaluation] != [r["label"]["entry"]["question"] for r in rows]
     level = rg_agent.task_config("basic_arithmetic", {"level": 2, "size": 8}, 0)
     assert level["max_terms"] > 2 and level["size"] == 8  # the library's curriculum at level 2
 
@@ -89,7 +92,7 @@ def test_reasoning_gym_rows_are_the_librarys_and_its_score_is_the_reward():
 def test_reasoning_gym_episodes_record_the_librarys_scores(engine, tiny):
     import reasoning_gym
     cfg = agent_config("reasoning_gym.py", size=2)
-    rows = rg_agent.load_data("reasoning-gym:basic_arithmetic,leg_counting,letter_counting", cfg)
+    rows = rg_agent.load_data("reasoning-gym:basic_arithmetic,leg_counting,letter_counting", cfg, False)
     outs, tok = run_rows(engine, tiny, cfg, rows[:3]), AutoTokenizer.from_pretrained(tiny)
     assert all(o.failures == {} and len(o.samples) == 2 for o in outs)
     for row, out in zip(rows, outs):
@@ -108,7 +111,12 @@ class Recording(vf_agent.Verifiers):
     async def run(self, ctx):
         result = await super().run(ctx)
         TRACES.append(self.trace)
+        env = await vf_agent.serving(ctx.label["env"], ctx.label["args"])
+        CLIENTS.append(sum(len(server.clients) for server in env._interception.servers))
         return result
+
+
+CLIENTS: list = []  # verifiers' HTTP clients kept after each episode (one per session URL unless dropped)
 
 
 async def rescore(env_id: str, args: str, trace):
@@ -122,10 +130,11 @@ async def rescore(env_id: str, args: str, trace):
 
 def test_verifiers_single_turn_env_its_rubric_is_the_reward(engine, tiny):
     cfg = agent_config("verifiers_env.py", "vf_qa", path=ENVS)
-    rows = vf_agent.load_data("", cfg)
+    rows = vf_agent.load_data("", cfg, False)
     assert [r["label"]["data"]["answer"] for r in rows] == ["4", "8", "5", "2"] and rows[0]["prompt"].startswith("What")
-    TRACES.clear()
+    TRACES.clear(), CLIENTS.clear()
     outs = run_rows(engine, tiny, cfg, rows[:2], runner=molt.ChatAgentRunner(Recording))
+    assert max(CLIENTS) <= 2  # at most the group's episodes in flight: each session's client goes with it
     tok = AutoTokenizer.from_pretrained(tiny)
     samples = [s for o in outs for s in o.samples]
     assert all(o.failures == {} for o in outs) and len(samples) == len(TRACES) == 4
@@ -144,7 +153,7 @@ def test_verifiers_tool_env_runs_its_tools_through_the_loopback_server(engine, t
     sampling) make every turn a call, so the transcript has tool results, all in one recorded segment."""
     cfg = agent_config("verifiers_env.py", "vf_calc", path=ENVS, max_turns=2,
                        sampling={"tool_choice": "required", "max_tokens": 96})
-    rows = vf_agent.load_data("", cfg)
+    rows = vf_agent.load_data("", cfg, False)
     TRACES.clear()
     [out] = run_rows(engine, tiny, cfg, rows[:1], runner=molt.ChatAgentRunner(Recording))
     tok = AutoTokenizer.from_pretrained(tiny)
@@ -162,14 +171,14 @@ def test_verifiers_tool_env_runs_its_tools_through_the_loopback_server(engine, t
 
 def test_a_malformed_verifiers_env_costs_its_episode(engine, tiny):
     cfg = agent_config("verifiers_env.py", "vf_broken", path=[str(ROOT / "tests" / "envs")])
-    outs = run_rows(engine, tiny, cfg, vf_agent.load_data("", cfg))
+    outs = run_rows(engine, tiny, cfg, vf_agent.load_data("", cfg, False))
     assert [o.samples for o in outs] == [[], []]  # a reward that raises, one that is NaN: counted apart
     assert [o.failures for o in outs] == [{"error": 2}, {"bad_result": 2}]
 
 
 def test_env_options_are_checked_at_launch():
     with pytest.raises(molt.UsageError, match="--env.id"):
-        vf_agent.load_data("", agent_config("verifiers_env.py"))
+        vf_agent.load_data("", agent_config("verifiers_env.py"), False)
     for bad in ("[1]", "{oops", '"x"'):
         with pytest.raises(molt.UsageError, match="--env.args must be a JSON object"):
             molt.parse_config(["--env.args", bad])
@@ -180,7 +189,7 @@ def test_env_options_are_checked_at_launch():
     with pytest.raises(molt.UsageError, match="no prompts: give --data"):  # no --data and no load_data
         molt.load_rows("", molt.DataConfig(), small_config(agent=str(ROOT / "agents" / "math.py")))
     with pytest.raises(molt.UsageError, match="how many players"):
-        ta_agent.load_data("textarena:Chess-v0", agent_config("textarena_env.py"))
+        ta_agent.load_data("textarena:Chess-v0", agent_config("textarena_env.py"), False)
 
 
 # ---------------------------------------------------------------- TextArena
@@ -200,7 +209,7 @@ async def replay(row, actions: list[str]):
 
 def test_textarena_games_end_with_the_librarys_outcome():
     cfg = agent_config("textarena_env.py", size=3, kwargs={"GuessTheNumber-v0": {"max_turns": 4}})
-    rows = ta_agent.load_data("textarena:TicTacToe-v0,GuessTheNumber-v0", cfg)
+    rows = ta_agent.load_data("textarena:TicTacToe-v0,GuessTheNumber-v0", cfg, False)
     assert len(rows) == 6 and rows[1]["label"] == {"game": "TicTacToe-v0", "seed": 1, "players": 2, "kwargs": {},
                                                    "opponent": "random", "opponent_tokens": 32}
     outcomes = set()
@@ -222,7 +231,7 @@ def test_self_play_the_opponent_is_the_policy_through_the_unrecorded_route(engin
     trained: the engine's calls are each sample's own turns plus the opponent's, which no sample holds."""
     from test_agents import Recorder
     cfg = agent_config("textarena_env.py", size=2, opponent="policy", opponent_tokens=8)
-    rows = ta_agent.load_data("textarena:TicTacToe-v0", cfg)
+    rows = ta_agent.load_data("textarena:TicTacToe-v0", cfg, False)
     tok = AutoTokenizer.from_pretrained(tiny)
 
     async def main():
@@ -237,13 +246,17 @@ def test_self_play_the_opponent_is_the_policy_through_the_unrecorded_route(engin
     assert all(o.failures == {} for o in outs) and len(samples) == 4
     trained = [r for s in samples for r in sampled_runs(s)]
     policy = [c for c in calls if tuple(c.ids) in set(trained)]
-    assert len(policy) == len(trained) and len(calls) > len(trained)  # the rest are the opponent's moves
+    opponent = [json.loads(tok.decode(c.ids, skip_special_tokens=True)) for c in calls if tuple(c.ids) not in
+                set(trained)]
+    assert len(policy) == len(trained) and opponent  # the rest are the opponent's moves, guided to legal ones
+    assert set(opponent) <= {f"[{i}]" for i in range(9)}
 
 
 
 def test_a_malformed_game_costs_its_episode(engine, tiny):
     cfg = agent_config("textarena_env.py")
-    bad = [{"prompt": "x", "label": {"game": "NoSuchGame-v0", "seed": 0, "players": 2, "kwargs": {}, "opponent": "random"}},
+    bad = [{"prompt": "x", "label": {"game": "NoSuchGame-v0", "seed": 0, "players": 2, "kwargs": {},
+                                     "opponent": "random"}},
            {"prompt": "x", "label": {"game": "GuessTheNumber-v0", "seed": 0, "players": 1, "kwargs": {"nope": 1},
             "opponent": "random"}}]
     outs = run_rows(engine, tiny, cfg, bad)
@@ -276,7 +289,7 @@ def test_envs_train_two_steps_and_their_rewards_are_the_librarys(tmp_path, tiny)
     tok = AutoTokenizer.from_pretrained(tiny)
     spec = "reasoning-gym:basic_arithmetic,leg_counting,letter_counting"
     _, samples = train_two_steps(tmp_path / "rg", "reasoning_gym.py", "--data", spec)
-    rows = rg_agent.load_data(spec, agent_config("reasoning_gym.py"))
+    rows = rg_agent.load_data(spec, agent_config("reasoning_gym.py"), False)
     for s in samples:
         label = rows[s.prompt_index]["label"]
         [reply] = turns(tok, s)
@@ -286,14 +299,15 @@ def test_envs_train_two_steps_and_their_rewards_are_the_librarys(tmp_path, tiny)
     args = json.dumps({"path": ENVS})
     for env_id, flags in (("vf_qa", ["--env.id", "vf_qa", "--env.args", args]), ("vf_calc", [])):  # vf_calc: defaults
         _, samples = train_two_steps(tmp_path / env_id, "verifiers_env.py", *flags)
-        rows = vf_agent.load_data("", agent_config("verifiers_env.py", env_id, path=ENVS))
+        rows = vf_agent.load_data("", agent_config("verifiers_env.py", env_id, path=ENVS), False)
         for s in samples:  # (the tiny model does not call the calculator unforced: one turn each)
             data = rows[s.prompt_index]["label"]["data"]
             [reply] = turns(tok, s)
             assert s.reward == run(score_messages(env_id, args, data, reply))
+        assert env_id == "vf_calc" or any(s.reward > 0 for s in samples)  # vf_qa: a digit earns 0.5
 
     _, samples = train_two_steps(tmp_path / "ta", "textarena_env.py", "--rollout.max-new-tokens", 8)
-    rows = ta_agent.load_data(ta_agent.DEFAULTS["data.path"], agent_config("textarena_env.py"))
+    rows = ta_agent.load_data(ta_agent.DEFAULTS["data.path"], agent_config("textarena_env.py"), False)
     assert any(len(turns(tok, s)) > 1 for s in samples)  # multi-turn games
     for s in samples:
         result = run(replay(rows[s.prompt_index], turns(tok, s)))
