@@ -89,9 +89,9 @@ class Game(Env):
         calls are not recorded, so only the policy's side trains). Where the game lists its legal moves the sample
         is guided to one of them (a JSON string from the list); one that still fails to parse (cut at
         opponent_tokens) is replaced by a random legal move: an opponent that forfeits teaches nothing."""
-        legal = legal_moves(obs)
         if self.label["opponent"] == "random":
             return random_move(obs, self.rng)
+        legal = legal_moves(obs)
         guide = {"response_format": {"type": "json_schema", "json_schema": {
             "name": "move", "schema": {"type": "string", "enum": legal}}}} if legal else {}
         reply = await self.judge().chat.completions.create(

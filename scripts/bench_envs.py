@@ -24,20 +24,9 @@ import uuid
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import molt  # noqa: E402
+from bench_agents import Chat, Echo  # noqa: E402  (an Env scoring nothing; one OpenAI SDK call)
 
 ENVS = os.path.join(ROOT, "examples", "verifiers")
-
-
-class Plain(molt.Env):
-    async def step(self, action):
-        return molt.Result(reward=float(len(action)))
-
-
-class Chat(molt.ChatAgent):
-    async def run(self, ctx):
-        r = await ctx.openai().chat.completions.create(model=ctx.model_name, messages=ctx.messages,
-                                                       max_tokens=ctx.sampling_params["max_tokens"])
-        return molt.Result(reward=float(len(r.choices[0].message.content or "")))
 
 
 def pool_for(engines, model_path, agent, env_id="", **args):
@@ -91,7 +80,7 @@ async def main(args):
     contenders = {  # name: (pool, runner, rows)
         "chat (OpenAI SDK), vf_qa prompts": (vf_pool, molt.ChatAgentRunner(Chat), vf_rows),
         "verifiers vf_qa": (vf_pool, vf_pool.runner, vf_rows),
-        "plain Env, reasoning-gym prompts": (rg_pool, molt.StepEnvRunner(Plain), rg_rows),
+        "plain Env, reasoning-gym prompts": (rg_pool, molt.StepEnvRunner(Echo), rg_rows),
         "reasoning-gym Env": (rg_pool, rg_pool.runner, rg_rows),
         "textarena tic-tac-toe Env": (ta_pool, ta_pool.runner, ta_rows),
     }

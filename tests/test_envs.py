@@ -252,7 +252,6 @@ def test_self_play_the_opponent_is_the_policy_through_the_unrecorded_route(engin
     assert set(opponent) <= {f"[{i}]" for i in range(9)}
 
 
-
 def test_a_malformed_game_costs_its_episode(engine, tiny):
     cfg = agent_config("textarena_env.py")
     bad = [{"prompt": "x", "label": {"game": "NoSuchGame-v0", "seed": 0, "players": 2, "kwargs": {},
