@@ -3,7 +3,9 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
@@ -113,3 +115,44 @@ def geo3k_run(tmp_path_factory):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc
+
+
+# ---- The suite's cost, printed at the end of every run: wall time and peak memory, overall and per file. Memory is
+# the machine's in use (MemTotal - MemAvailable, sampled every 0.5 s): engines, Ray workers and `vllm serve` are
+# other processes, and what they leave behind counts against the next file too.
+COST = {"t0": time.time(), "file": "(collection)", "wall": defaultdict(float), "peak": defaultdict(float)}
+
+
+def used_gb() -> float:
+    info = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+    return (int(info["MemTotal"].split()[0]) - int(info["MemAvailable"].split()[0])) / 2 ** 20
+
+
+def _sample_memory():
+    while True:
+        COST["peak"][COST["file"]] = max(COST["peak"][COST["file"]], used_gb())
+        time.sleep(0.5)
+
+
+def pytest_sessionstart(session):
+    COST["base"] = used_gb()
+    threading.Thread(target=_sample_memory, daemon=True).start()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    COST["file"], t0 = item.location[0], time.time()
+    COST["peak"][COST["file"]] = max(COST["peak"][COST["file"]], used_gb())
+    try:
+        return (yield)
+    finally:
+        COST["wall"][item.location[0]] += time.time() - t0
+
+
+def pytest_terminal_summary(terminalreporter):
+    write = terminalreporter.write_line
+    peak = max(COST["peak"].values(), default=used_gb())
+    write(f"suite cost: {time.time() - COST['t0']:.0f} s wall, memory in use peak {peak:.1f} GB "
+          f"(at start {COST['base']:.1f} GB)")
+    for f in sorted(COST["wall"], key=COST["wall"].get, reverse=True):
+        write(f"  {COST['wall'][f]:7.1f} s  peak {COST['peak'][f]:5.1f} GB  {f}")
