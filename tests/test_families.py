@@ -3,15 +3,17 @@ Llama 3.1, DeepSeek-V3, Mistral (tekken v13) and gpt-oss (harmony) (tiny:FAMILY)
 by the stock SDKs."""
 import json
 import re
+from pathlib import Path
 from typing import Literal
 
 import pytest
 
 import molt
-from conftest import _engine, run
+from conftest import _engine, file_state, run
 from test_server import CITY, TOOL, WEATHER, Server, trainer_logprobs
 
 FAMILIES = ["qwen3", "llama3.1", "deepseek-v3", "mistral", "gpt-oss"]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -437,29 +439,6 @@ def test_check_template_reports_what_the_server_would_do_with_the_familys_templa
         assert rc == 0 and "NEW SEGMENT" not in text and "1 with --server.history template, 1 with append" in text
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", FAMILIES)
-def test_a_tool_agent_trains_two_steps_on_each_family_with_no_server_failure(name, tmp_path):
-    """agents/chat_tools.py (a forced calculator call, its result, free turns) for 2 steps on tiny:FAMILY: every
-    episode's forced call comes back parsed, the server answers no request with a 5xx, and the engine's log-probs of
-    the trained tokens match the trainer's at step 1 (the forced, guided turns are context). The viewer shows an
-    episode token by token on the family's vocabulary (headless Chromium)."""
-    from test_e2e import metrics, molt as run_molt
-    from test_view import check_tokens, dumped, render, view
-    # 4 samples per micro-batch: the logits of 16 (the default) on gpt-oss's 201k vocabulary are ~8 GB per copy
-    run_molt("--agent", "agents/chat_tools.py", "--model", f"tiny:{name}", "--steps", 2, "--run-dir", tmp_path / "r",
-             "--dump-samples", "--train.micro-batch-size", 4)
-    m = metrics(tmp_path / "r")
-    assert [x["step"] for x in m] == [1, 2]
-    # every episode's forced call, trained or dropped (was averaged over the trained ones: survivorship)
-    assert all(x["server/5xx"] == 0 and x["tools/forced_parsed"] == 1.0 and x["episodes/finished"] >= 16 for x in m)
-    assert m[0]["rollout/logprob_gap"] < 1e-3
-    samples = dumped(tmp_path / "r", 2)
-    dom = render(view(tmp_path / "r"), "step=2&sample=0", f"view-{name}")
-    assert dom.rows == len(samples)
-    check_tokens(dom, 0, samples[0])
-
-
 CALLED = [{"role": "user", "content": "Weather in Paris?"},
           {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
               "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
@@ -600,3 +579,65 @@ FAMILY_DIFFERENCES = {
                 # header); vLLM re-renders the reply as a final-channel message, header added (5 tokens more)
                 ("responses", "previous_response_id", "usage")} | NO_CALL | AS_TEXT,
 }
+
+
+@pytest.mark.slow
+def test_a_tool_agent_trains_then_syncs_on_each_family(family, ray_cluster, tmp_path):
+    """agents/chat_tools.py (a forced calculator call, its result, free turns) on the family's engine, one training
+    step on its episodes, then a weight sync into that engine. Each family is its own body (Qwen3, Llama, DeepSeek-V3's
+    MLA and MoE, Mistral, gpt-oss's MoE with attention sinks), trained by its transformers class and loaded by vLLM's
+    loader for it: every forced call parsed, no request answered 5xx, the trainer's log-probs of the trained tokens
+    equal the engine's before the step, and after the sync the engine samples with exactly the trainer's weights.
+    The viewer shows an episode token by token on the family's vocabulary. (The whole loop, subprocess and all, runs
+    once per wire: tests/test_e2e.py, tests/test_responses.py on tiny:qwen3.) Last of the family's tests: its engine's
+    weights change here, and are put back after."""
+    import ray
+    from test_trainer import engine_gap
+    from test_view import check_tokens, dumped, render, view
+    name, path, engine = family
+    run_dir = tmp_path / "r"
+    # 4 samples per micro-batch: a smaller forward on a 152-201k vocabulary
+    cfg = molt.parse_config(["--agent", str(ROOT / "agents" / "chat_tools.py"), "--model", path, "--run-dir",
+                             str(run_dir), "--dump-samples", "--train.micro-batch-size", "4", "--data.max-len", "1024",
+                             "--train.check-weight-sync", "--train.lr", "1e-3"])
+    rows = molt.load_rows(cfg.data.path, cfg.data, cfg)[:2]
+
+    async def rollout():
+        pool = molt.AgentPool(cfg, cfg.agent, path, [engine])
+        try:
+            return [await pool.run_group(r, 4, molt.rollout_sampling(cfg), f"g{i}", i) for i, r in enumerate(rows)]
+        finally:
+            await pool.server.stop()
+    outs = run(rollout())
+    assert all(o.failures == {} for o in outs)
+    episodes = {s.rollout_id: s.info for o in outs for s in o.samples}
+    assert len(episodes) == 8 and all(i["server/5xx"] == 0 and i["tools/forced_parsed"] == 1.0
+                                      for i in episodes.values())
+    trained = [s for o in outs for s in o.samples if any(s.mask)]
+    won = {r: float(i % 2) for i, r in enumerate(sorted({s.rollout_id for s in trained}))}
+    for s in trained:  # rewards that differ within each group, so the step moves the weights (a random model scores 0)
+        s.reward = won[s.rollout_id]
+    version = run(engine.stats.remote())["version"]
+    group = molt.ModelGroup(cfg, path, "policy", total_steps=10)
+    try:
+        metrics = molt.learn(cfg, {"policy": group}, trained)
+        assert metrics["rollout/logprob_gap"] < 1e-3 and metrics["grad_norm"] > 0
+        sync = molt.WeightSync(cfg, group, [engine])
+        sync.start(version + 1)
+        sync.wait()
+        assert sync.take()["sync/stale_params"] == 0
+        gap, c, probe = engine_gap(ray_cluster, engine, group, version + 1)
+        assert gap < 1e-3 and set(c.versions) == {version + 1}, gap
+        before = trainer_logprobs(path, probe)[3:]  # the weights really changed
+        assert max(abs(a - b) for a, b in zip(before.tolist(), c.logprobs)) > 1e-3
+        sync.close()
+    finally:
+        ray.get(engine.update.remote({"refs": [ray.put(file_state(path))]}, version + 2))
+        for w in group.workers:
+            ray_cluster.kill(w)
+    run_dir.mkdir()
+    (run_dir / "config.json").write_text(json.dumps(molt.config_dict(cfg)))
+    molt.dump_samples(str(run_dir), 1, trained)
+    dom = render(view(run_dir), "step=1&sample=0", f"view-{name}")
+    assert dom.rows == len(trained)
+    check_tokens(dom, 0, dumped(run_dir, 1)[0])

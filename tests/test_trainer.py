@@ -35,7 +35,7 @@ def trainer(path, ranks=1, **overrides):
     return cfg, molt.ModelGroup(cfg, path, "policy", total_steps=10)
 
 
-@pytest.mark.parametrize("agg", ["token", "seq"])
+@pytest.mark.parametrize("agg", [pytest.param("token", marks=pytest.mark.core), "seq"])
 def test_one_rank_and_two_ranks_take_the_same_step(ray_cluster, tiny, agg):
     samples = make_samples()
     results = []
@@ -70,6 +70,7 @@ def skewed_samples(seed=0):
     return out
 
 
+@pytest.mark.core
 def test_token_budget_packs_under_the_budget_longest_first():
     samples = skewed_samples()
     t = small_config(**{"train.max_tokens_per_micro_batch": 160}).train
@@ -88,6 +89,7 @@ def test_token_budget_packs_under_the_budget_longest_first():
         assert molt.pack_micro_batches(samples, mine, t)[0] == [mine[0]]
 
 
+@pytest.mark.core
 def test_a_packed_micro_batch_computes_what_the_padded_one_does(tiny):
     """One row, positions restarting at each sample: every sample's log-probs, entropies (at per-token
     temperatures), gradients and critic values equal the padded micro-batch's; none leaks into its neighbour."""
@@ -98,7 +100,7 @@ def test_a_packed_micro_batch_computes_what_the_padded_one_does(tiny):
         s.temperatures = [None] * 4 + [0.7] * (len(s.tokens) - 4)
     idx = [0, -1, 1, 2, 3, 4, 5]  # with a masked copy, as FSDP padding adds
     model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
-    w = types.SimpleNamespace(model=model, image_token=None, media=[])
+    w = types.SimpleNamespace(model=model, image_token=None, media=[], cfg=small_config())
     model._molt_routers = []
     out = {}
     for pack in (False, True):
@@ -124,6 +126,61 @@ def test_a_packed_micro_batch_computes_what_the_padded_one_does(tiny):
     values = [molt.step_values(v, molt.collate(samples, idx, None, torch.device("cpu"), 1.0, pack)) for pack in (0, 1)]
     mask = molt.collate(samples, idx, None, torch.device("cpu")).get("attn")[:, 1:]
     assert torch.allclose(values[0] * mask, values[1] * mask, atol=1e-5)
+
+
+@pytest.mark.core
+def test_chunked_logprobs_equal_the_whole_logits_and_never_hold_them(monkeypatch):
+    """--train.logits-chunk-mb: on a 152k vocabulary (Qwen3's), padded and packed, at per-token temperatures and with
+    a media bias, the log-probs and entropies equal the whole-logits path's to 1e-6, every gradient to 1e-6 of its
+    largest entry (the same sums in another order); the head computes
+    at most one chunk's logits at a time, nothing of vocabulary size is kept for backward (the backward recomputes
+    chunk by chunk), and the head's own forward is back afterwards."""
+    import types
+    from transformers import Qwen3Config
+    torch.manual_seed(0)
+    V = 151_936
+    config = Qwen3Config(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config).float()
+    model._molt_routers = []
+    samples = skewed_samples()[:5]
+    for s in samples:
+        s.temperatures = [None] * 4 + [0.7] * (len(s.tokens) - 4)
+        s.tokens[5] = 151_000  # an id past the tiny vocabulary, under a media bias below
+    rows, linear = [], torch.nn.Linear.forward  # rows of logits each head call computes
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda m, x: rows.append(x.shape[:-1].numel() if
+                                                                              m.out_features == V else 0) or linear(m, x))
+    out = {}
+    for pack in (False, True):
+        mb = molt.collate(samples, [0, -1, 1, 2, 3, 4], None, torch.device("cpu"), 1.0, pack)
+        for chunk_mb in (0, 2):  # 2 MiB: 3 positions of 151,936 fp32 logits per chunk
+            w = types.SimpleNamespace(model=model, image_token=None, media=[151_000],
+                                      cfg=small_config(**{"train.logits_chunk_mb": chunk_mb}))
+            model.zero_grad()
+            rows.clear()
+            kept = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.shape) or t, lambda t: t):
+                logp, ent = molt.step_logprobs(w, mb, True)
+            ((logp * mb["mask"]).sum() + 0.1 * (ent * mb["mask"]).sum()).backward()
+            out[pack, chunk_mb] = (logp * mb["mask"], ent * mb["mask"], {k: p.grad.clone()
+                                                                         for k, p in model.named_parameters()})
+            n = mb["pos"].shape[1] if pack else mb["ids"].numel()  # positions the model runs
+            assert max(rows) == (n if chunk_mb == 0 else 3)
+            assert sum(rows) == (n if chunk_mb == 0 else 2 * (n - (1 if pack else mb["ids"].shape[0])))
+            assert any(s[-1] == V for s in kept) == (chunk_mb == 0)
+        whole, chunked = out[pack, 0], out[pack, 2]
+        assert whole[0].abs().sum() > 0 and (whole[1] > 0).any()
+        assert torch.allclose(whole[0], chunked[0], rtol=0, atol=1e-6)
+        assert torch.allclose(whole[1], chunked[1], rtol=0, atol=1e-6)
+        for k, g in whole[2].items():
+            scale = float(g.abs().max())  # fp32 sums in another order: agreement relative to the largest entry
+            assert scale > 0 and float((g - chunked[2][k]).abs().max()) <= 1e-6 * scale, k
+    assert "forward" not in vars(model.get_output_embeddings())
+    rows.clear()
+    mb = molt.collate(samples, [0, 1], None, torch.device("cpu"))
+    with torch.no_grad():  # a forward without gradients (the old and reference log-probs) chunks too, once
+        molt.step_logprobs(w, mb)
+    assert max(rows) == 3 and sum(rows) == 2 * (mb["ids"].shape[1] - 1)
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -159,6 +216,7 @@ def engine_gap(ray_cluster, engine, group, version):
     return max(abs(a - b) for a, b in zip(ours, c.logprobs)), c, s
 
 
+@pytest.mark.core
 def test_synced_engine_matches_the_trainer(ray_cluster, engine, tiny):
     """Three updates: through the trainer's shared-memory files (created, then overwritten in place: the engine's
     cached mapping must see the new bytes), then as if the engine were on another node (object store, the engine's
@@ -283,6 +341,7 @@ def test_optimizer_offload_steps_host_copies_and_resumes(ray_cluster, tiny, tmp_
         ray_cluster.kill(actor)
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("schedule, expect", [
     ("constant", [1 / 3, 2 / 3, 1.0, 1.0, 1.0, 1.0]),
     ("linear", [1 / 3, 2 / 3, 1.0, 0.1 + 0.9 * 2 / 3, 0.1 + 0.9 / 3, 0.1]),
@@ -293,6 +352,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor(schedule, expect):
     assert [f(step) for step in range(6)] == pytest.approx(expect)
 
 
+@pytest.mark.core
 def test_segments_of_one_episode_share_its_advantage_through_learn(tiny_trainer):
     """Episode A has two segments (reward 1), episode B one (reward 0), one group: dr_grpo gives A +0.5 on both segments
     and B -0.5; counting A's segments as two rollouts would give +1/3 and -2/3."""
