@@ -13,6 +13,8 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import molt  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def run(awaitable):
     """Await a coroutine or a Ray ObjectRef from a sync test."""
@@ -52,6 +54,22 @@ def small_config(**overrides) -> molt.Config:
     for key, value in overrides.items():
         molt.config_set(cfg, key, value)
     return molt.validate_config(cfg)  # derived defaults filled in, as for a parsed command line
+
+
+def agent_groups(engine, path: str, agent: str, *flags, rows=None, n=4):
+    """An agent module's episodes on a shared engine, in process, as a run makes them (its DEFAULTS and the flags
+    parsed, its rollout sampling): n episodes of each of the rows (default: the first 2 of its data). -> (config,
+    [GroupOut])."""
+    cfg = molt.parse_config(["--agent", str(ROOT / agent), "--model", path, "--data.max-len", "1024", *map(str, flags)])
+    rows = rows or molt.load_rows(cfg.data.path, cfg.data, cfg)[:2]
+
+    async def main():
+        pool = molt.AgentPool(cfg, cfg.agent, path, [engine])
+        try:
+            return [await pool.run_group(r, n, molt.rollout_sampling(cfg), f"g{i}", i) for i, r in enumerate(rows)]
+        finally:
+            await pool.server.stop()
+    return cfg, run(main())
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -87,6 +87,7 @@ class ThreeTurns(molt.Env):
         return molt.Result(reward=0.5, observation=f"turn {self.turn}: the ab", terminated=self.turn == 3)
 
 
+@pytest.mark.core
 def test_the_codec_renders_what_the_template_renders_whatever_it_cached(tiny):
     """The render cache never answers one render with another's: the generation prompt and the template variables
     are part of what was rendered (the n episodes of a group hit the cache; a client's request need not)."""
@@ -100,6 +101,7 @@ def test_the_codec_renders_what_the_template_renders_whatever_it_cached(tiny):
     assert len(seen) == 3  # three different renders, so a key missing either part would have answered wrongly
 
 
+@pytest.mark.core
 def test_env_engine_input_is_the_rendered_conversation_with_the_sampled_ids(engine, tiny):
     async def main():
         pool = make_pool(engine, tiny)
@@ -233,6 +235,7 @@ def run_chat(engine, path, agent_cls, ep_sampling=None, tools=None, prompt="Hell
     return run(main())
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("wire", ["openai", "anthropic"])
 @pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
 def test_multi_turn_chat_is_one_token_exact_segment(engine, tiny, wire, sync):
@@ -346,6 +349,7 @@ class Rewriter(molt.ChatAgent):
         return molt.Result(reward=1.0)
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("mode", ["extend", "edit", "reorder", "shrink"])
 def test_a_rewritten_history_opens_a_token_exact_segment(engine, tiny, mode):
     agent = type("Agent", (Rewriter,), {"mode": mode})

@@ -6,6 +6,8 @@ import torch
 
 import molt
 
+pytestmark = pytest.mark.core  # the RL formulas: every test here is part of the core tier
+
 
 def algo(**kw):
     a = molt.AlgoConfig()

@@ -30,11 +30,28 @@ REQUIRED = ["step", "policy_version", "reward/mean", "samples", "tokens/generate
             "rollout/tokens_discarded", "loss/policy", "entropy", "grad_norm", "is/masked_frac"]
 
 
-@pytest.mark.parametrize("queue", [1, 0], ids=["async", "sync"])
-def test_copy_task_learns_and_resumes(tmp_path, queue):
+@pytest.mark.core
+def test_a_synchronous_run_is_on_policy_at_every_step(tmp_path):
+    """The short end-to-end run of the core tier: 3 synchronous steps of the copy task through Ray, the engine, the
+    agent pool, the trainer and the weight sync. Every trained token was sampled by the policy version it trains
+    (staleness 0, each dumped token's version the step's), and trainer and engine compute the same log-probs for it."""
     run = tmp_path / "run"
-    molt("--agent", "agents/copy.py", "--run-dir", run, "--train.async-queue-size", queue, "--target-reward", 0.9,
-         "--dump-samples", "--train.save-every", 100, "--steps", 1000)
+    molt("--agent", "agents/copy.py", "--run-dir", run, "--train.async-queue-size", 0, "--dump-samples", "--steps", 3)
+    m = metrics(run)
+    assert [r["step"] for r in m] == [1, 2, 3] and all(k in r for k in REQUIRED for r in m)
+    assert all(r["rollout/staleness_max"] == 0 and r["rollout/tokens_discarded"] == 0 for r in m)
+    assert max(r["rollout/logprob_gap"] for r in m) <= 1e-3  # measured: <= 3e-7 (fp32 on CPU)
+    for r in m:
+        samples = dumped(run, r["step"])
+        assert len(samples) == r["samples"] > 0
+        assert {v for s in samples for v, k in zip(s["versions"], s["mask"]) if k} == {r["step"] - 1}
+
+
+def test_copy_task_learns_and_resumes(tmp_path):
+    """The one proof that RL learns, end to end (asynchronous, the default), then a resume from its checkpoint."""
+    run = tmp_path / "run"
+    molt("--agent", "agents/copy.py", "--run-dir", run, "--target-reward", 0.9, "--dump-samples",
+         "--train.save-every", 100, "--steps", 1000)
     m = metrics(run)
     last = m[-1]["step"]
     # --target-reward stopped it: the last 10 steps averaged 0.9 before the 1000-step budget ran out, starting from a
@@ -45,16 +62,12 @@ def test_copy_task_learns_and_resumes(tmp_path, queue):
     assert sum(r["reward/mean"] for r in m[:10]) / 10 < 0.2
     assert all(k in m[-1] for k in REQUIRED)
     assert all(r["rollout/tokens_discarded"] == 0 for r in m if "rollout/tokens_discarded" in r)
-    if queue == 0:  # synchronous: every token on-policy, and trainer and engine compute the same log-probs for it
-        assert all(r["rollout/staleness_max"] == 0 for r in m)
-        assert max(r["rollout/logprob_gap"] for r in m) <= 1e-3  # measured: <= 3e-7 (fp32 on CPU)
-    assert m[0]["rollout/logprob_gap"] <= 1e-3  # step 1 is on-policy in both modes
-    assert json.loads((run / "config.json").read_text())["train"]["async_queue_size"] == queue
+    assert m[0]["rollout/logprob_gap"] <= 1e-3  # step 1 is on-policy
+    assert json.loads((run / "config.json").read_text())["train"]["async_queue_size"] == 1
     assert (run / "samples" / f"step_{last:06d}.jsonl").exists()
     ckpt = run / "checkpoints" / f"step_{last:06d}"
     assert (ckpt / "model.safetensors").exists() and (ckpt / "config.json").exists()
-    proc = molt("--agent", "agents/copy.py", "--run-dir", run, "--resume", "--steps", last + 3,
-                "--train.async-queue-size", queue)
+    proc = molt("--agent", "agents/copy.py", "--run-dir", run, "--resume", "--steps", last + 3)
     assert f"resumed at step {last}" in proc.stderr
     # a clean console: Molt's own lines and the bar; vLLM, Ray and torch wrote to the run's logs/ instead
     lines = [x for x in (proc.stdout + proc.stderr).replace("\r", "\n").splitlines() if x.strip()]

@@ -61,7 +61,7 @@ def update(ray, engine, state, version, check=False):
     return ray.get(engine.update.remote({"refs": [ray.put(state)]}, version, check), timeout=120)
 
 
-@pytest.mark.parametrize("kind", ["tiny", "tiny-moe"])
+@pytest.mark.parametrize("kind", [pytest.param("tiny", marks=pytest.mark.core), "tiny-moe"])
 def test_greedy_tokens_match_transformers(request, kind):
     engine = request.getfixturevalue("engine" if kind == "tiny" else "moe_engine")
     path = molt.resolve_model(kind)
@@ -74,6 +74,7 @@ def test_greedy_tokens_match_transformers(request, kind):
     assert torch.all(chosen >= logits.max(-1).values - 1e-5), (chosen, logits.max(-1))
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 1.5])
 def test_logprobs_align_and_match_the_trainer_at_the_sampling_temperature(engine, tiny, temperature):
     version = run(engine.stats.remote())["version"]
@@ -110,7 +111,7 @@ def _reset(ray, engine, path, version):
     update(ray, engine, checkpoint(path), version)
 
 
-@pytest.mark.parametrize("kind", ["tiny", "tiny-moe"])
+@pytest.mark.parametrize("kind", [pytest.param("tiny", marks=pytest.mark.core), "tiny-moe"])
 def test_update_mid_request_switches_versions_exactly(request, ray_cluster, kind):
     engine = request.getfixturevalue("engine" if kind == "tiny" else "moe_engine")
     path = molt.resolve_model(kind)

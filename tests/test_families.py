@@ -3,17 +3,15 @@ Llama 3.1, DeepSeek-V3, Mistral (tekken v13) and gpt-oss (harmony) (tiny:FAMILY)
 by the stock SDKs."""
 import json
 import re
-from pathlib import Path
 from typing import Literal
 
 import pytest
 
 import molt
-from conftest import _engine, file_state, run
+from conftest import _engine, agent_groups, file_state, run
 from test_server import CITY, TOOL, WEATHER, Server, trainer_logprobs
 
 FAMILIES = ["qwen3", "llama3.1", "deepseek-v3", "mistral", "gpt-oss"]
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -411,20 +409,18 @@ def test_an_edited_reasoning_is_an_edited_reply(family):
     assert run(main()) == (1, 2)
 
 
-def test_check_template_reports_what_the_server_would_do_with_the_familys_template(family):
+def test_check_template_reports_what_the_server_would_do_with_the_familys_template(family, capsys):
     """python molt.py check-template: the scripted tool episode turn by turn. Qwen3 (it rewrites the reasoning of a turn
     followed by a new question; gpt-oss's drops a tool call's analysis once the turn is answered): a new segment there
     with --server.history template, one segment with append; Llama
     3.1 and Mistral: one segment either way; DeepSeek-V3's own template writes a call in history only when its content is null,
     which no server sends (vLLM renders a null content as ""): the call vanishes, so the check fails (exit 1)."""
-    import subprocess
-    import sys
     name, path, _ = family
 
-    def check(*flags):
-        out = subprocess.run([sys.executable, "molt.py", "check-template", "--model", path, *flags],
-                             capture_output=True, text=True, timeout=600)
-        return out.returncode, out.stdout
+    def check(*flags):  # molt.main as `python molt.py check-template` calls it (in process: vLLM imported once)
+        capsys.readouterr()
+        rc = molt.main(["check-template", "--model", path, *flags])
+        return rc, capsys.readouterr().out
     rc, text = check()
     assert text.count("parses back") == (2 if name == "deepseek-v3" else 3)
     if name == "deepseek-v3":  # ... and passes with a template that writes calls (--chat-template)
@@ -597,18 +593,8 @@ def test_a_tool_agent_trains_then_syncs_on_each_family(family, ray_cluster, tmp_
     name, path, engine = family
     run_dir = tmp_path / "r"
     # 4 samples per micro-batch: a smaller forward on a 152-201k vocabulary
-    cfg = molt.parse_config(["--agent", str(ROOT / "agents" / "chat_tools.py"), "--model", path, "--run-dir",
-                             str(run_dir), "--dump-samples", "--train.micro-batch-size", "4", "--data.max-len", "1024",
-                             "--train.check-weight-sync", "--train.lr", "1e-3"])
-    rows = molt.load_rows(cfg.data.path, cfg.data, cfg)[:2]
-
-    async def rollout():
-        pool = molt.AgentPool(cfg, cfg.agent, path, [engine])
-        try:
-            return [await pool.run_group(r, 4, molt.rollout_sampling(cfg), f"g{i}", i) for i, r in enumerate(rows)]
-        finally:
-            await pool.server.stop()
-    outs = run(rollout())
+    cfg, outs = agent_groups(engine, path, "agents/chat_tools.py", "--run-dir", run_dir, "--dump-samples",
+                             "--train.micro-batch-size", 4, "--train.check-weight-sync", "--train.lr", 1e-3)
     assert all(o.failures == {} for o in outs)
     episodes = {s.rollout_id: s.info for o in outs for s in o.samples}
     assert len(episodes) == 8 and all(i["server/5xx"] == 0 and i["tools/forced_parsed"] == 1.0

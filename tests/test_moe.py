@@ -41,6 +41,7 @@ def recorded(routers, b, T):
     return torch.stack([r.molt_live.view(b, T, -1) for r in routers], dim=2)
 
 
+@pytest.mark.core
 def test_replay_reproduces_recorded_choices_and_keeps_router_gradients(tiny_moe):
     model, routers = moe_model(tiny_moe)
     ids, attn = batch()
@@ -225,6 +226,7 @@ def test_the_critic_is_a_value_model_on_every_backend(tiny):
     assert out.shape == (1, 3, 1)  # one value per token, not a vocabulary logit
 
 
+@pytest.mark.core
 def test_sample_routing_is_stored_by_position_and_the_first_writer_wins():
     s = molt.Sample()
     s.add_context([5, 6, 7])

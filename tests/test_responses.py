@@ -7,7 +7,7 @@ import openai
 import pytest
 
 import molt
-from conftest import run
+from conftest import agent_groups, run
 from test_agents import episode
 from test_server import CITY, Server
 
@@ -137,18 +137,32 @@ def test_bad_responses_requests_are_4xx_in_the_wire_shape(engine, tiny, body, fr
     assert compact == 400 and "compaction" in refusal["error"]["message"]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("agent, model", [("chat_responses", "tiny"), ("chat_agents_sdk", "tiny"),
-                                          ("chat_agents_sdk", "tiny:qwen3")])
-def test_a_responses_agent_trains_two_steps(agent, model, tmp_path):
+@pytest.mark.parametrize("agent", ["chat_responses", "chat_agents_sdk"])
+def test_a_responses_agent_records_one_segment_per_episode_and_trains(engine, tiny, tiny_trainer, agent):
     """agents/chat_responses.py (the stock SDK's responses.create) and agents/chat_agents_sdk.py (the OpenAI Agents
-    SDK's Runner, streamed, auto_previous_response_id) for 2 steps, the latter on a real family too: a forced
-    calculator call, its output by previous_response_id, free turns; no server failure, every forced call parsed,
-    one segment (one Sample) per episode, engine and trainer agree."""
+    SDK's Runner, streamed, auto_previous_response_id) on the tiny engine, in process, as a run makes their episodes:
+    a forced calculator call, its output by previous_response_id, free turns; no request refused or failed, every
+    forced call parsed, one segment (one Sample) per episode, and a training step on them in which engine and trainer
+    agree. (The whole loop runs end to end below, on a real family.)"""
+    cfg, outs = agent_groups(engine, tiny, f"agents/{agent}.py")
+    samples = [s for o in outs for s in o.samples]
+    assert all(o.failures == {} for o in outs) and len(samples) == len({s.rollout_id for s in samples}) == 8
+    assert all(s.info["server/5xx"] == 0 and s.info["server/4xx"] == 0 and s.info["tools/forced_parsed"] == 1.0 and
+               s.info["tools/calls"] >= 1 for s in samples)
+    _, trainer = tiny_trainer
+    metrics = molt.learn(cfg, {"policy": trainer}, [s for s in samples if any(s.mask)])
+    assert metrics["rollout/logprob_gap"] < 1e-3
+
+
+@pytest.mark.slow
+def test_a_responses_agent_trains_two_steps_on_a_real_family(tmp_path):
+    """agents/chat_agents_sdk.py for 2 steps on tiny:qwen3, end to end (the one whole run of the Responses wire, and
+    of a real family): every forced call parsed, no request refused or failed, one segment per episode, engine and
+    trainer agree at every step."""
     from test_e2e import metrics, molt as run_molt
     # 4 samples per micro-batch: 16 rows of Qwen3's 152k-vocabulary logits at the recipe's 96 new tokens per turn are
     # ~4 GB per copy, and the suite ran out of its 24 GiB (Ray's OOM killer took the trainer and a shared engine)
-    run_molt("--agent", f"agents/{agent}.py", "--model", model, "--steps", 2, "--run-dir", tmp_path / "r",
+    run_molt("--agent", "agents/chat_agents_sdk.py", "--model", "tiny:qwen3", "--steps", 2, "--run-dir", tmp_path / "r",
              "--train.micro-batch-size", 4)
     m = metrics(tmp_path / "r")
     assert [x["step"] for x in m] == [1, 2]

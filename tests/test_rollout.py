@@ -3,8 +3,12 @@ engine): staleness at and past the bound, the data cursor across a checkpoint, f
 import asyncio
 import signal
 
+import pytest
+
 import molt
 from conftest import small_config
+
+pytestmark = pytest.mark.core  # staleness, versions and the async state: every test here is part of the core tier
 
 
 class FakePool:

@@ -2,6 +2,7 @@
 (stop strings, n, log-probs, structured outputs, template switches, retries), per-request sampling, edited turns,
 tool_choice, true streaming, bounded memory. Real tiny engines, the real aiohttp server, the stock SDKs."""
 import asyncio
+import functools
 import json
 import random
 
@@ -14,7 +15,7 @@ import molt
 from conftest import run
 from test_agents import episode, make_pool, tokenizer
 
-JUDGE_CALLS = 10_000
+JUDGE_CALLS = 1_000  # concurrent, 64 at a time: an entry left per call would show after one
 CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
         "additionalProperties": False}  # bounded: a random model cannot run out of tokens inside the arguments
 TOOL = {"name": "get_weather", "description": "weather in a city", "input_schema": CITY}
@@ -210,16 +211,22 @@ def test_response_format_and_template_switches_reach_the_engine(engine, tiny):
     assert all(tok.decode(p).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") for p in prompts)
 
 
+@functools.lru_cache(maxsize=2)  # the family tests ask a model many times in a row
+def hf_policy(path):
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
 def trainer_logprobs(path, seg):
     """The trainer's log-probs of a Sample's tokens (step axis), recomputed on the weights the engine holds."""
     import torch
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     mb = molt.collate([seg], [0], None, torch.device("cpu"), temperature=1.0)
     with torch.no_grad():
-        return molt.token_logprobs(model(input_ids=mb["ids"]).logits, mb["ids"], mb["temperature"])[0][0]
+        return molt.token_logprobs(hf_policy(path)(input_ids=mb["ids"]).logits, mb["ids"], mb["temperature"])[0][0]
 
 
+@pytest.mark.core
 def test_guided_tokens_stay_context_and_every_trained_token_matches_the_trainer(engine, tiny):
     """Under structured outputs vLLM masks the logits with the grammar before the log-probs it returns, so a guided
     token's behaviour log-prob is of a distribution the trainer cannot recompute. Guided turns (a JSON schema, a
@@ -254,6 +261,7 @@ def test_guided_tokens_stay_context_and_every_trained_token_matches_the_trainer(
     assert (trainer_logprobs(tiny, seg) - torch.tensor(seg.logprobs[1:]))[mask].abs().max() < 1e-3
 
 
+@pytest.mark.core
 def test_per_request_temperature_is_recorded_and_reproduced_by_the_trainer(engine, tiny):
     async def main():
         async with Server(engine, tiny) as srv:
@@ -307,6 +315,7 @@ FORCE_CALL = {"temperature": 1.0, "max_tokens": 120, "structured_outputs": {
     "regex": r'A<tool_call>\{"name": "get_weather", "arguments": \{"city": "Paris"\}\}</tool_call>'}}
 
 
+@pytest.mark.core
 @pytest.mark.parametrize("mode, segments", [("keep", 1), ("edit", 2), ("drop", 2), ("reorder", 2)])
 def test_what_the_agent_sends_back_is_what_is_trained(engine, tiny, mode, segments):
     from test_agents import run_chat
