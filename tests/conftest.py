@@ -56,12 +56,12 @@ def small_config(**overrides) -> molt.Config:
     return molt.validate_config(cfg)  # derived defaults filled in, as for a parsed command line
 
 
-def agent_groups(engine, path: str, agent: str, *flags, rows=None, n=4):
+def agent_groups(engine, path: str, agent: str, *flags, rows: int = 2, n=4):
     """An agent module's episodes on a shared engine, in process, as a run makes them (its DEFAULTS and the flags
-    parsed, its rollout sampling): n episodes of each of the rows (default: the first 2 of its data). -> (config,
-    [GroupOut])."""
+    parsed, its rollout sampling): n episodes of each of the first `rows` rows of its data (prompt_index: the row's
+    index). -> (config, [GroupOut])."""
     cfg = molt.parse_config(["--agent", str(ROOT / agent), "--model", path, "--data.max-len", "1024", *map(str, flags)])
-    rows = rows or molt.load_rows(cfg.data.path, cfg.data, cfg)[:2]
+    rows = molt.load_rows(cfg.data.path, cfg.data, cfg)[:rows]
 
     async def main():
         pool = molt.AgentPool(cfg, cfg.agent, path, [engine])

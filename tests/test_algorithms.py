@@ -230,3 +230,35 @@ def test_length_penalties_by_hand(longest, finish, buffer, coef, expect):
                        finish_reason=finish)
     out = molt.length_penalties(algo(overlong_buffer=buffer, stop_penalty=coef), 32, [first, last])
     assert out == pytest.approx([expect, expect])
+
+
+@pytest.mark.parametrize("loss", ["ppo", "gspo", "cispo"])
+@pytest.mark.parametrize("level", ["token", "seq", "geo"])
+@pytest.mark.parametrize("mode", ["mask", "clip", "trunc"])
+def test_a_padded_sample_loses_and_weighs_as_it_does_alone(loss, level, mode):
+    """Second case of every loss and IS level: a 2-token sample padded to 4 beside a 4-token one, with garbage where
+    the padding is (the trainer computes log-probs on pad tokens, the engine's are 0), has the per-token loss, IS
+    coefficient and filter it has alone."""
+    g = torch.Generator().manual_seed(7)
+    beh = -torch.rand(2, 4, generator=g) * 2
+    old, logp = (beh + (torch.rand(2, 4, generator=g) - 0.5) * 0.2 for _ in range(2))  # ratios inside the band
+    adv, mask = t([1.0, -0.5, 0.7, 2.0], [-1.0, 0.3, 0.0, 0.0]), t([1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0])
+    old[1, 2:], beh[1, 2:], logp[1, 2:] = 9.0, 0.0, -30.0  # the padding's garbage
+    a = algo(loss=loss, is_level=level, is_mode=mode, is_low=0.7, is_high=1.3)
+    together, stats = molt.policy_loss(a, logp, old, beh, adv, mask)
+    alone, stats_alone = molt.policy_loss(a, logp[1:, :2], old[1:, :2], beh[1:, :2], adv[1:, :2], mask[1:, :2])
+    assert torch.allclose(together[1, :2], alone[0], atol=1e-6)
+    for key in ("is/weight", "is/masked_frac"):
+        assert torch.allclose(stats[key][1, :2], stats_alone[key][0], atol=1e-6), key
+
+
+def test_the_longest_reply_may_sit_in_any_segment_and_only_the_last_reply_is_judged_cut():
+    """Second case of the length penalties: the episode's longest reply is in its first segment (the last is short),
+    and that first reply was cut while the last one stopped (no stop-properly factor: only the last reply counts),
+    with another episode's segments interleaved in the batch."""
+    first = molt.Sample(rollout_id="e", tokens=[1] * 33, mask=[0] * 3 + [1] * 30, reward=1.0, finish_reason="length")
+    other = molt.Sample(rollout_id="o", tokens=[1] * 6, mask=[0, 0] + [1] * 4, reward=0.0, finish_reason="length")
+    last = molt.Sample(rollout_id="e", tokens=[1] * 6, mask=[0, 0] + [1] * 4, reward=1.0, finish_reason="stop")
+    out = molt.length_penalties(algo(overlong_buffer=8, stop_penalty=0.5), 32, [first, other, last])
+    # e: L = 30 -> (32 - 8 - 30) / 8 = -0.75 on 1.0, no factor; o: L = 4 -> no term, its only reply cut -> 0.0 * 0.5
+    assert out == pytest.approx([0.25, 0.0, 0.25])

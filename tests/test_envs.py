@@ -224,9 +224,10 @@ def test_textarena_games_end_with_the_librarys_outcome():
     for row in rows[:3]:
         for attempt in range(20):  # random legal moves: wins, losses and draws all occur
             rng = random.Random(attempt)
-            result = run(replay(row, [f"[{rng.randrange(9)}]" for _ in range(9)]))
+            moves = [f"[{rng.randrange(9)}]" for _ in range(9)]
+            result = run(replay(row, moves))
             outcomes.add(result.reward)
-            assert result.terminated and result.reward in (-1.0, 0.0, 1.0)
+            assert result.terminated and result.reward == library_outcome(row["label"], moves)  # either seat
     assert outcomes == {-1.0, 0.0, 1.0}
     guess = run(replay(rows[3], ["[10]", "[5]", "[15]", "[2]", "[18]"]))
     assert guess.terminated and 0 <= guess.reward <= 1
@@ -260,19 +261,44 @@ def test_self_play_the_opponent_is_the_policy_through_the_unrecorded_route(engin
     assert set(opponent) <= {f"[{i}]" for i in range(9)}
 
 
-def test_textarena_episodes_replay_to_their_rewards_and_train(engine, tiny, tiny_trainer):
-    """Tic-tac-toe against the seeded random opponent: multi-turn episodes whose reward is the outcome the game's own
-    logic gives when their moves are replayed (in a fresh Game), trained on."""
-    cfg, outs = agent_groups(engine, tiny, "agents/textarena_env.py", "--rollout.max-new-tokens", 8, n=2)
+def library_outcome(label: dict, policy_moves: list[str]) -> float | None:
+    """The game as TextArena itself plays it, not the adapter: the policy's recorded moves at its seat (seed % players),
+    the seeded random opponent (random.Random(seed): a uniformly random one of the moves the game lists) at the
+    others; the library's reward for the policy's seat, or None while the game is not over."""
+    import re
+
+    import textarena as ta
+    game = ta.make(label["game"], **label["kwargs"])
+    game.reset(num_players=label["players"], seed=label["seed"])
+    me, rng, moves = label["seed"] % label["players"], random.Random(label["seed"]), iter(policy_moves)
+    while True:
+        player, obs = game.get_observation()
+        move = next(moves, None) if player == me else rng.choice(re.findall(r"'(\[[^\]]+\])'", obs.rsplit(
+            "Available Moves", 1)[-1]))
+        if move is None:
+            return None
+        done, _ = game.step(action=move)
+        if done:
+            return float(game.close()[0][me])
+
+
+def test_textarena_episodes_score_what_the_library_scores_and_train(engine, tiny, tiny_trainer):
+    """Tic-tac-toe against the seeded random opponent (either seat) and the one-player GuessTheNumber, as episodes:
+    each reward is the outcome TextArena itself gives when the recorded moves are played in a game of its own
+    (library_outcome), multi-turn, trained on."""
+    spec = "textarena:TicTacToe-v0,GuessTheNumber-v0"
+    cfg, outs = agent_groups(engine, tiny, "agents/textarena_env.py", "--data", spec, "--rollout.max-new-tokens", 8,
+                             "--env.args", json.dumps({"size": 2, "kwargs": {"GuessTheNumber-v0": {"max_turns": 3}}}),
+                             rows=4, n=2)
     rows, tok = molt.load_rows(cfg.data.path, cfg.data, cfg), AutoTokenizer.from_pretrained(tiny)
     samples = [s for o in outs for s in o.samples]
     assert all(o.failures == {} for o in outs) and any(len(turns(tok, s)) > 1 for s in samples)  # multi-turn
-    ended = 0
+    ended = set()
     for s in samples:  # a game the shared engine's 1,024-token context cut short is not over: it scores 0 so far
-        result = run(replay(rows[s.prompt_index], turns(tok, s)))
-        assert (result.terminated or s.finish_reason == "length") and s.reward == result.reward
-        ended += result.terminated
-    assert ended  # (two invalid moves in a row lose a game: the tiny model ends some)
+        label, outcome = rows[s.prompt_index]["label"], library_outcome(rows[s.prompt_index]["label"], turns(tok, s))
+        assert s.reward == (outcome or 0.0) and (outcome is not None or s.finish_reason == "length")
+        ended |= {label["game"]} if outcome is not None else set()
+    assert ended == {"TicTacToe-v0", "GuessTheNumber-v0"}
     trains(tiny_trainer, samples)
 
 

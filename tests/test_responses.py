@@ -119,6 +119,49 @@ def test_a_forced_call_its_output_and_a_replayed_input_extend_the_segment(engine
     assert json.loads(schema.output_text)["city"] in ("Paris", "Rome")
 
 
+def test_the_second_case_of_a_chain_instructions_items_storage_and_tools(engine, tiny):
+    """The cases beside the usual chain. Instructions changed mid-chain: the new ones reach the engine and the old
+    do not (OpenAI's semantics: a response's instructions are not carried over), so the chain cannot extend its
+    stored tokens (whose system turn said otherwise): a segment of its own. Two assistant messages in a row in the
+    input stay two messages, as the template renders them. Two tools offered: a call forced by name is that tool's.
+    Past 64 stored responses the oldest is forgotten (404, and a chain from it too), the rest are kept."""
+    second = {"type": "function", "name": "get_time", "description": "time in a city", "parameters": CITY}
+    codec = molt.Codec(tiny)
+
+    async def main():
+        async with Server(engine, tiny, ENDS) as srv:
+            c = srv.openai()
+            r1 = await c.responses.create(model="m", input="hi", instructions="Be brief.")
+            await c.responses.create(model="m", input="more", instructions="Be long.", previous_response_id=r1.id)
+            changed = list(srv.session.segments)
+            items = [{"role": "user", "content": "hi"},
+                     {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "One."}]},
+                     {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Two."}]},
+                     {"role": "user", "content": "and?"}]
+            await c.responses.create(model="m", input=items)
+            call = await c.responses.create(model="m", input="When?", tools=[FLAT, second], max_output_tokens=120,
+                                            tool_choice={"type": "function", "name": "get_time"},
+                                            temperature=1.0)
+            ids = [(await c.responses.create(model="m", input=str(k), max_output_tokens=1)).id for k in range(64)]
+            gone = []
+            for request in (c.responses.retrieve(r1.id), c.responses.create(model="m", input="x",
+                                                                             previous_response_id=r1.id)):
+                with pytest.raises(openai.NotFoundError):
+                    await request
+                gone.append(True)
+            kept = await c.responses.retrieve(ids[0])
+            return changed, call, gone, kept, ids, srv.pool.router.prompts
+    changed, call, gone, kept, ids, prompts = run(main())
+    text = [codec.tokenizer.decode(p) for p in prompts]
+    assert "Be long." in text[1] and "Be brief." not in text[1] and len(changed) == 2
+    two = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "One."},
+           {"role": "assistant", "content": "Two."}, {"role": "user", "content": "and?"}]
+    assert prompts[2] == codec.encode(codec.render(two))[0]
+    [fc] = [o for o in call.output if o.type == "function_call"]
+    assert fc.name == "get_time" and "get_weather" in text[3] and "get_time" in text[3]
+    assert gone == [True, True] and kept.id == ids[0]
+
+
 @pytest.mark.parametrize("body, fragment", [
     ({"input": [{"type": "item_reference", "id": "x"}]}, "item_reference"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "only function tools"),

@@ -37,8 +37,10 @@ class FakePool:
             s.add_context([5, 6])
             if k in row.get("guided", ()):  # the episode ended on a guided turn (context only): nothing to train on
                 s.add_context([7])
-            else:
-                s.add_turn(molt.Completion([7], [-0.5], [row.get("version", 0)], "stop"))
+            else:  # "version": one version, or a list of them (a turn a weight update cut through)
+                versions = row.get("version", 0)
+                versions = versions if isinstance(versions, list) else [versions]
+                s.add_turn(molt.Completion([7] * len(versions), [-0.5] * len(versions), versions, "stop"))
             s.reward = s.score = row.get("rewards", [1.0] * n)[k]
             s.info = {"tools/forced_parsed": float(k not in row.get("guided", ()))}
             out.append(s)
@@ -83,6 +85,16 @@ def test_staleness_exactly_at_the_bound_is_kept_and_one_past_is_dropped():
     assert prompts(b) == [0, 2]  # staleness 3 kept, staleness 4 dropped
     assert b.counts["rollout/dropped/stale"] == 1  # the fourth prompt was never needed
     assert all(10 - molt.oldest_version(s) == 3 for s in b.samples)
+
+
+def test_a_partial_rollout_is_as_stale_as_its_oldest_trained_token():
+    """Second case: turns a weight update cut through carry two versions; a group is as old as its oldest trained
+    token (the context before it, version -1, does not count), not its newest."""
+    data = [{"prompt": "p", "idx": i, "version": v} for i, v in enumerate([[6, 7], [7, 8], [8, 6, 9], [9, 10]])]
+    m = manager(data, **{"rollout.max_staleness": 3, "rollout.batch_size": 2, "data.shuffle": False})
+    [b] = batches(m, 1, version=10)
+    assert prompts(b) == [1, 3] and b.counts["rollout/dropped/stale"] == 2  # [6, 7] and [8, 6, 9]: 4 versions old
+    assert molt.step_metrics(b.samples, 10)["rollout/staleness_max"] == 3
 
 
 def test_the_data_cursor_survives_a_checkpoint_in_order():

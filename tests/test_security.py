@@ -317,6 +317,37 @@ def run_marked(code: str, marker: str, watch, timeout: float = 30):
 SLEEPER = "import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(3)', {marker!r}])"
 
 
+def test_no_supplementary_group_of_the_host_reaches_the_sandbox():
+    """Second case of dropping privileges: the host process holds supplementary groups (as a service's user often
+    does: 0 and 4242 here); seen from the host, a sandboxed process is in none of them."""
+    if os.geteuid() != 0:
+        pytest.skip("setting supplementary groups needs root")
+    marker, groups = "molt-groups-" + uuid.uuid4().hex, os.getgroups()
+
+    def held(procs):
+        return [next(line.split()[1:] for line in open(f"/proc/{p.pid}/status") if line.startswith("Groups:"))
+                for p in procs]
+    os.setgroups(sorted({*groups, 0, 4242}))
+    try:
+        _, seen = run_marked(SLEEPER.format(marker=marker), marker, held)
+    finally:
+        os.setgroups(groups)
+    held_groups = {g for sample in seen for p in sample for g in p}
+    assert seen and not held_groups & {"0", "4242"}, held_groups
+
+
+@pytest.mark.parametrize("attack, code", [
+    ("over the pixel cap only", "from PIL import Image\nImage.new('L', (5000, 4000)).save('a.png')"),  # 20 MP, a few KiB
+    ("over the byte cap only, sent past the runner", "import io, os\nfrom PIL import Image\n"
+     "im = Image.frombytes('RGB', (2600, 2600), os.urandom(2600 * 2600 * 3))\nb = io.BytesIO()\n"
+     "im.save(b, 'PNG', compress_level=0)\nb = b.getvalue()\nos.write(3, len(b).to_bytes(8, 'big') + b)"),  # 19 MiB
+])
+def test_an_image_over_either_cap_is_never_decoded(attack, code):
+    """Second case of the image caps: each cap alone (the other one met) keeps the image out."""
+    _, images = sandbox.run_python(code, with_images=True, timeout=30)
+    assert images == [], attack
+
+
 def test_no_uid_inside_the_sandbox_is_host_root():
     marker = "molt-uid-" + uuid.uuid4().hex
     _, seen = run_marked(SLEEPER.format(marker=marker), marker, lambda ps: [p.uids() for p in ps])
@@ -440,6 +471,10 @@ DENIED = {  # call -> (C call from the sandbox, the errno it must get)
     "netlink socket": ("libc.socket(16, 3, 0)", "EAFNOSUPPORT"),
     "packet socket": ("libc.socket(17, 3, 0)", "EAFNOSUPPORT"),
     "TIOCSTI": ("libc.ioctl(0, 0x5412, ctypes.c_char_p(b'x'))", "EPERM"),
+    # the second encodings: the kernel reads the request as 32 bits, so bits above them must not slip past the
+    # filter; and the other terminal-injection request
+    "TIOCSTI, high bits set": ("libc.ioctl(0, ctypes.c_ulong(0x100005412), ctypes.c_char_p(b'x'))", "EPERM"),
+    "TIOCLINUX": ("libc.ioctl(0, 0x541C, ctypes.c_char_p(b'\\x02'))", "EPERM"),
 }
 CALLER = ("import ctypes, errno\nlibc = ctypes.CDLL(None, use_errno=True)\nNR = {numbers!r}\n"
           "def sc(name, *args):\n    return libc.syscall(NR[name], *args)\n"
@@ -534,6 +569,17 @@ def test_the_usual_test_forms_cannot_be_forged(form):
     tests, honest, forged = FORGED[form]
     assert code_agent.pass_fraction(honest, tests) == 1.0
     assert code_agent.pass_fraction(forged, tests) == 0.0  # was 1.0 on every form
+
+
+def test_an_assertion_with_several_solution_parts_gets_each_value_in_its_place():
+    """Second case of the split: two and three calls into the solution in one assertion, each order-sensitive; each
+    value comes back to its own place (a solution right about f but wrong about g gets only what it earns)."""
+    problem = code_agent.grader.read_problem({"tests": ["assert f(3) - f(2) == 1",
+                                                        "assert [f(1), g(2), f(2)] == [1, 4, 2]",
+                                                        "assert g(f(3)) == 9"]})
+    assert [len(t.parts) for t in problem.tests] == [2, 3, 1] and problem.unsplittable == 0
+    assert code_agent.grader.grade("def f(x): return x\ndef g(x): return x * x", problem) == 1.0
+    assert code_agent.grader.grade("def f(x): return x\ndef g(x): return x + 1", problem) == pytest.approx(1 / 3)
 
 
 def test_mbpp_style_problems_grade_their_reference_solutions_fully():
