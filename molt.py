@@ -4443,7 +4443,7 @@ def chunked_logprobs(head, h, ids, temperature, with_entropy: bool, media: list[
 
 
 def head_logprobs(w, mb: dict, ids, temperature, with_entropy: bool):
-    """(log-probs, entropy) [rows, T - 1] of the micro-batch (packed: [1, L - 1]) through the policy's head in chunks
+    """(log-probs, entropy) [b, T - 1] of the micro-batch (packed: [1, L - 1]) through the policy's head in chunks
     (--train.logits-chunk-mb): the model's output embedding is swapped for chunked_logprobs during the forward, inside
     FSDP's unsharded window. A model that never calls its output embedding on the hidden states, or scales logits
     after it (a logit soft-cap), gets its logits whole."""
@@ -6065,9 +6065,9 @@ def vllm_reload_weights(runner, weights) -> set[str]:
     with set_current_vllm_config(runner.vllm_config):
         initialize_layerwise_reload(model)
         bare = BARE_COPIES.get(type(model).__name__, set())
-        for layer in model.modules():
+        for layer in model.modules() if bare else ():
             info = get_layerwise_info(layer)
-            if bare & set(info.kernel_tensors[0]):  # its own tensors back, out of the layerwise reload
+            if bare & set(layer._parameters):  # its own tensors back, out of the layerwise reload
                 _place_kernel_tensors(layer, info)
                 info.reset()
         loaded = set(model.load_weights(iter(weights)) or ())

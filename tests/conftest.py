@@ -91,26 +91,48 @@ def ray_cluster():
     ray.shutdown()
 
 
-def _engine(ray, path):
-    """One engine for the whole session, killed at its end."""
-    e = molt.start_engines(small_config(), path)[0]
-    yield e
-    ray.kill(e)
+class Engines:
+    """The session's engines, one per model and engine options, started on first use. The tiny model's plain engine
+    stays up for the whole session (nearly every file uses it); of the others only the latest stays up, the next one
+    stopping it first (test files use one other model each): at most two run at once, about 1 GB each."""
+
+    def __init__(self, ray, tiny: str):
+        self.ray, self.up, self.kept = ray, {}, (tiny, ())
+
+    def get(self, path: str, **options):
+        key = (path, tuple(sorted(options.items())))
+        if key not in self.up:
+            for other in [k for k in self.up if k != self.kept]:
+                self.ray.kill(self.up.pop(other))
+            self.up[key] = molt.start_engines(small_config(**options), path)[0]
+        return self.up[key]
+
+    def stop(self):
+        for e in self.up.values():
+            self.ray.kill(e)
+        self.up = {}
 
 
 @pytest.fixture(scope="session")
-def engine(ray_cluster, tiny):
-    yield from _engine(ray_cluster, tiny)
+def engines(ray_cluster, tiny):
+    pool = Engines(ray_cluster, tiny)
+    yield pool
+    pool.stop()
 
 
-@pytest.fixture(scope="session")
-def moe_engine(ray_cluster, tiny_moe):
-    yield from _engine(ray_cluster, tiny_moe)
+@pytest.fixture(scope="module")
+def engine(engines, tiny):
+    return engines.get(tiny)
 
 
-@pytest.fixture(scope="session")
-def vl_engine(ray_cluster, tiny_vl):
-    yield from _engine(ray_cluster, tiny_vl)
+@pytest.fixture(scope="module")
+def moe_engine(engines, tiny_moe):
+    return engines.get(tiny_moe)
+
+
+@pytest.fixture(scope="module")
+def vl_engine(engines, tiny_vl):
+    return engines.get(tiny_vl)
 
 
 @pytest.fixture(scope="session")
@@ -135,10 +157,35 @@ def geo3k_run(tmp_path_factory):
     return run_dir, proc
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """Every engine and trainer a test's own body starts is stopped when the test ends, passed or failed: one left up
+    holds about a GB for the rest of the session. (Fixtures stop theirs; molt.py subprocesses end with their run.)"""
+    started, launch, init = [], molt.launch_engines, molt.ModelGroup.__init__
+
+    def launch_engines(*args, **kwargs):
+        engines, ready = launch(*args, **kwargs)
+        started.extend(engines)
+        return engines, ready
+
+    def group_init(self, *args, **kwargs):
+        started.append(self)
+        init(self, *args, **kwargs)
+    molt.launch_engines, molt.ModelGroup.__init__ = launch_engines, group_init
+    try:
+        return (yield)
+    finally:
+        molt.launch_engines, molt.ModelGroup.__init__ = launch, init
+        if started:
+            import ray
+            for actor in [w for a in started for w in getattr(a, "workers", [a])]:
+                ray.kill(actor)
+
+
 # ---- The suite's cost, printed at the end of every run: wall time and peak memory, overall and per file. Memory is
 # the machine's in use (MemTotal - MemAvailable, sampled every 0.5 s): engines, Ray workers and `vllm serve` are
 # other processes, and what they leave behind counts against the next file too.
-COST = {"t0": time.time(), "file": "(collection)", "wall": defaultdict(float), "peak": defaultdict(float)}
+COST = {"t0": time.time(), "file": "(collection)", "wall": defaultdict(float), "peak": defaultdict(float), "rss": {}}
 
 
 def used_gb() -> float:
@@ -159,12 +206,25 @@ def pytest_sessionstart(session):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    if item.location[0] != COST["file"]:  # a new file: what the last one freed goes back to the system (the C heap
+        import ctypes                     # keeps freed tokenizers and models otherwise: GBs over the session)
+        import gc
+        gc.collect()
+        ctypes.CDLL(None).malloc_trim(0)
     COST["file"], t0 = item.location[0], time.time()
     COST["peak"][COST["file"]] = max(COST["peak"][COST["file"]], used_gb())
     try:
         return (yield)
     finally:
+        # What a test's in-process pools leave reachable: aiohttp 3.14 caches each app's middleware chain by handler
+        # (1,024 of them), and a handler is a bound method of a test's loopback server (its codec, tokenizer and
+        # parsers with it); and molt.start_up freezes everything alive after a pool's constructor (right for an
+        # actor's process, which builds one) out of the collector's reach. Together: GBs over the session.
+        if "aiohttp.web_app" in sys.modules:
+            sys.modules["aiohttp.web_app"]._cached_build_middleware.cache_clear()
+        __import__("gc").unfreeze()
         COST["wall"][item.location[0]] += time.time() - t0
+        COST["rss"][item.location[0]] = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -173,4 +233,5 @@ def pytest_terminal_summary(terminalreporter):
     write(f"suite cost: {time.time() - COST['t0']:.0f} s wall, memory in use peak {peak:.1f} GB "
           f"(at start {COST['base']:.1f} GB)")
     for f in sorted(COST["wall"], key=COST["wall"].get, reverse=True):
-        write(f"  {COST['wall'][f]:7.1f} s  peak {COST['peak'][f]:5.1f} GB  {f}")
+        write(f"  {COST['wall'][f]:7.1f} s  peak {COST['peak'][f]:5.1f} GB  (pytest {COST['rss'][f] / 2**30:4.1f} GB after)  "
+              f"{f}")

@@ -4,6 +4,7 @@ both) that cannot see the project directory: it runs in its own mount namespace 
 as a node of a real cluster would not have the user's files. Molt joins from the project directory with the
 quick-start's relative paths, so whatever runs on the worker node comes from what Molt shipped. Only the processes
 this test starts are stopped."""
+import contextlib
 import json
 import os
 import re
@@ -233,7 +234,8 @@ def test_the_slurm_script_starts_a_cluster_molt_joins_as_is(tmp_path):
     try:
         proc.wait(timeout=600)
     finally:
-        os.killpg(proc.pid, 9)  # the Ray nodes it left running, as the end of a Slurm job does
+        with contextlib.suppress(ProcessLookupError):  # nothing of the job left
+            os.killpg(proc.pid, 9)  # the Ray nodes it left running, as the end of a Slurm job does
         shutil.rmtree(temp, ignore_errors=True)
     log.seek(0)
     out = log.read()

@@ -174,7 +174,7 @@ def test_bad_requests_fail_clearly_and_engine_keeps_serving(engine, ids, samplin
 
 @pytest.fixture(scope="module")
 def two_engines(ray_cluster, engine, tiny):
-    second = molt.start_engines(small_config(), tiny)[0]
+    second = molt.start_engines(small_config(), tiny)[0]  # its own: routing needs two engines of the same model
     yield [engine, second]
     ray_cluster.kill(second)
 

@@ -31,11 +31,8 @@ def adapter_source(ray, model) -> dict:
 
 
 @pytest.fixture(scope="module")
-def lora_engine(ray_cluster, tiny):
-    cfg = small_config(**{"train.lora_rank": 8})
-    engine = molt.start_engines(cfg, tiny)[0]
-    yield engine
-    ray_cluster.kill(engine)
+def lora_engine(engines, tiny):
+    return engines.get(tiny, **{"train.lora_rank": 8})  # vLLM's LoRA on: an engine of its own
 
 
 def test_requests_wait_for_the_first_adapter_then_sample_through_it(ray_cluster, lora_engine, tiny):

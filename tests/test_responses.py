@@ -5,11 +5,12 @@ import json
 
 import openai
 import pytest
+import torch
 
 import molt
 from conftest import agent_groups, run
 from test_agents import episode
-from test_server import CITY, Server
+from test_server import CITY, Server, trainer_logprobs
 
 FLAT = {"type": "function", "name": "get_weather", "description": "weather in a city", "parameters": CITY}
 ENDS = {"temperature": 1.0, "max_tokens": 16, "structured_outputs": {"regex": "hello there"}}  # ends at a stop
@@ -185,16 +186,20 @@ def test_a_responses_agent_records_one_segment_per_episode_and_trains(engine, ti
     """agents/chat_responses.py (the stock SDK's responses.create) and agents/chat_agents_sdk.py (the OpenAI Agents
     SDK's Runner, streamed, auto_previous_response_id) on the tiny engine, in process, as a run makes their episodes:
     a forced calculator call, its output by previous_response_id, free turns; no request refused or failed, every
-    forced call parsed, one segment (one Sample) per episode, and a training step on them in which engine and trainer
-    agree. (The whole loop runs end to end below, on a real family.)"""
+    forced call parsed, one segment (one Sample) per episode, engine and trainer agreeing on every trained token, and a
+    training step on them. (The whole loop runs end to end below, on a real family.)"""
     cfg, outs = agent_groups(engine, tiny, f"agents/{agent}.py")
     samples = [s for o in outs for s in o.samples]
     assert all(o.failures == {} for o in outs) and len(samples) == len({s.rollout_id for s in samples}) == 8
     assert all(s.info["server/5xx"] == 0 and s.info["server/4xx"] == 0 and s.info["tools/forced_parsed"] == 1.0 and
                s.info["tools/calls"] >= 1 for s in samples)
-    _, trainer = tiny_trainer
-    metrics = molt.learn(cfg, {"policy": trainer}, [s for s in samples if any(s.mask)])
-    assert metrics["rollout/logprob_gap"] < 1e-3
+    trained = [s for s in samples if any(s.mask)]
+    for s in trained:  # the engine's log-prob of each trained token is the trainer's, on the engine's weights
+        mask = torch.tensor(s.mask[1:]).bool()
+        assert (trainer_logprobs(tiny, s) - torch.tensor(s.logprobs[1:]))[mask].abs().max() < 1e-3
+    _, trainer = tiny_trainer  # (the session's: its weights have moved, it only shows the step runs)
+    metrics = molt.learn(cfg, {"policy": trainer}, trained)
+    assert all(v == v for v in metrics.values())  # (finite: a group that all scored alike moves nothing)
 
 
 @pytest.mark.slow

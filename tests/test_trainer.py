@@ -290,11 +290,13 @@ def test_checkpoint_resume_continues_weights_optimizer_and_schedule_exactly(ray_
     assert [x[0] for x in straight] == pytest.approx([1e-2 * (0.1 + 0.9 * f) for f in (0.5, 0.25, 0.0)])
     hf = AutoModelForCausalLM.from_pretrained(str(ckpt))  # loadable as is by transformers...
     assert hf.config.vocab_size == 128
-    engine = molt.start_engines(small_config(), str(ckpt))[0]  # ...and by vLLM
-    out = run(engine.generate.remote(molt.EngineRequest([5, 6], sampling={"max_tokens": 3, "ignore_eos": True})))
-    assert len(out[0].ids) == 3
-    for actor in [engine, *a.workers, *b_group.workers]:
-        ray_cluster.kill(actor)
+    engine = molt.start_engines(small_config(), str(ckpt))[0]  # ...and by vLLM (an engine of its own: this model)
+    try:
+        out = run(engine.generate.remote(molt.EngineRequest([5, 6], sampling={"max_tokens": 3, "ignore_eos": True})))
+        assert len(out[0].ids) == 3
+    finally:
+        for actor in [engine, *a.workers, *b_group.workers]:
+            ray_cluster.kill(actor)
 
 
 def test_optimizer_offload_steps_host_copies_and_resumes(ray_cluster, tiny, tmp_path):
