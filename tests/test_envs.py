@@ -62,6 +62,30 @@ def turns(tok, s: molt.Sample) -> list[str]:
 # ---------------------------------------------------------------- reasoning-gym
 
 
+async def rg_grade(row, reply):
+    """The reward the adapter gives `reply` on `row`."""
+    env = rg_agent.ReasoningGym()
+    await env.reset(row["prompt"], row["label"])
+    return (await env.step(reply)).reward
+
+
+def test_every_reasoning_gym_task_scores_its_gold_answer_as_the_library_does():
+    """Every task that generates without a config (all but composite), through the adapter: the sandboxed scorer, the
+    entry pickled (arc_agi's and rearc's scorers compare tuples: their gold answers earned 0.05 through JSON)."""
+    import reasoning_gym
+    from reasoning_gym.factory import DATASETS
+    cfg, differ = agent_config("reasoning_gym.py", size=1, seed=0), {}
+    tasks = sorted(set(DATASETS) - {"composite"})
+    for task in tasks:
+        [row] = rg_agent.load_data(rg_agent.SCHEME + task, cfg, False)
+        entry = reasoning_gym.create_dataset(task, **rg_agent.task_config(task, {"size": 1}, 0))[0]
+        library = reasoning_gym.get_score_answer_fn(task)(str(entry["answer"]).strip(), entry)
+        got = run(rg_grade(row, f"<answer>{entry['answer']}</answer>"))
+        if got != library:
+            differ[task] = (got, library)
+    assert len(tasks) >= 100 and differ == {}
+
+
 def test_reasoning_gym_rows_are_the_librarys_and_its_score_is_the_reward():
     import reasoning_gym
     cfg = agent_config("reasoning_gym.py", size=4, seed=3, config={"leg_counting": {"max_animals": 1,
@@ -72,17 +96,15 @@ def test_reasoning_gym_rows_are_the_librarys_and_its_score_is_the_reward():
     again = reasoning_gym.create_dataset("leg_counting", size=4, seed=3, min_animals=1, max_animals=1)[0]
     assert rows[1]["label"]["entry"] == json.loads(json.dumps(again))  # the library's own entry, regenerated
 
-    async def grade(row, reply):
-        env = rg_agent.ReasoningGym()
-        await env.reset(row["prompt"], row["label"])
-        return (await env.step(reply)).reward
     for row in rows[:6]:
         gold = row["label"]["entry"]["answer"]
         score = reasoning_gym.get_score_answer_fn(row["label"]["task"])
-        for reply in (f"so <answer>{gold}</answer>", f"<answer>{gold}7</answer>", "no tags", "<answer>x</answer>"):
+        for reply in (f"so <answer>{gold}</answer>", f"<answer>{gold}7</answer>", "no tags", "<answer>x</answer>",
+                      f"<answer>x</answer> <answer>{gold}</answer>", f"<answer>{gold}</answer><answer>x"):
             answer = reasoning_gym.utils.extract_answer(reply)
-            assert run(grade(row, reply)) == score(answer, row["label"]["entry"])
-    assert run(grade(rows[0], f"<answer>{rows[0]['label']['entry']['answer']}</answer>")) == 1.0
+            assert rg_agent.extract_answer(reply) == answer
+            assert run(rg_grade(row, reply)) == score(answer, row["label"]["entry"])
+    assert run(rg_grade(rows[0], f"<answer>{rows[0]['label']['entry']['answer']}</answer>")) == 1.0
     evaluation = rg_agent.load_data("reasoning-gym:basic_arithmetic,leg_counting,letter_counting", cfg, True)
     assert [r["label"]["entry"]["question"] for r in evaluation] != [r["label"]["entry"]["question"] for r in rows]
     level = rg_agent.task_config("basic_arithmetic", {"level": 2, "size": 8}, 0)

@@ -10,6 +10,7 @@ import contextlib
 import io
 import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import psutil
 import pytest
 
 import molt
-from conftest import run
+from conftest import run, small_config
 from test_agents import ab_only, episode, make_pool, tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -830,3 +831,95 @@ def test_tool_plots_are_downscaled_and_encoded_off_the_loop(monkeypatch, downsca
     from PIL import Image
     sizes = [Image.open(io.BytesIO(base64.b64decode(p["image_url"]["url"].split(",", 1)[1]))).size for p in parts[1:]]
     assert all(max(size) == (geo.sandbox.PLOT_SIDE if downscaled else 3000) for size in sizes), sizes
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fourth round. Environment libraries: reasoning-gym's scorers read the answer as Python (sympy's parse_expr, eval);
+# the answer is screened as data first, and the scorer runs in a sandboxed fork with a deadline
+
+rg = molt.import_path(str(ROOT / "agents" / "reasoning_gym.py"))
+OPEN_NEW = "open('{new}', 'w').write('x')"
+RG_CODE = {  # task (its scorer's way in): an answer that creates host["new"]
+    "countdown parse_expr": ("countdown", "__import__('os').system('touch {new}')"),
+    "n_queens eval": ("n_queens", OPEN_NEW),
+    "polynomial parse_expr, as bytes": ("polynomial_multiplication", "exec(bytes({codes}))"),
+    "spiral_matrix eval, fullwidth": ("spiral_matrix", "\uff45\uff58\uff45\uff43(\"" + OPEN_NEW.replace("'", "\\'")
+                                      + "\")"),
+}
+
+
+def rg_row(task: str, seed: int = 0) -> dict:
+    cfg = small_config(agent=str(ROOT / "agents" / "reasoning_gym.py"), **{"env.args": json.dumps({"size": 1,
+                                                                                                    "seed": seed})})
+    return rg.load_data(rg.SCHEME + task, cfg, False)[0]
+
+
+def rg_step(row: dict, reply: str):
+    async def main():
+        env = rg.ReasoningGym()
+        await env.reset(row["prompt"], row["label"])
+        return await env.step(reply)
+    return main()
+
+
+def rg_library(row: dict, answer):
+    """The library's own score, here (the test trusts its own answers)."""
+    import reasoning_gym
+    return reasoning_gym.get_score_answer_fn(row["label"]["task"])(answer, pickle.loads(base64.b64decode(
+        row["label"]["pickled"])))
+
+
+@pytest.mark.parametrize("screened", [True, False], ids=["screened", "screen off"])
+@pytest.mark.parametrize("attack", sorted(RG_CODE))
+def test_a_reasoning_gym_answer_never_runs_on_the_host(host, attack, screened, monkeypatch):
+    """Screened, code is refused before any scorer reads it and scores as no answer; with the screen off the scorer
+    runs it in its sandboxed fork: nothing reaches the host either way (was: a host file written as uid 0)."""
+    task, code = RG_CODE[attack]
+    new = str(host["new"])
+    code = code.format(new=new, codes=tuple(OPEN_NEW.format(new=new).encode()))
+    if not screened:
+        monkeypatch.setattr(rg, "EVALUATES", set())
+    row = rg_row(task)
+    result = asyncio.run(rg_step(row, f"<answer>{code}</answer>"))
+    assert no_trace(host) and result.info["rg/refused_answers"] == float(screened)
+    if screened:
+        assert result.reward == rg_library(row, None)
+
+
+def test_a_reasoning_gym_answer_cannot_change_a_later_score_or_write_its_own(monkeypatch):
+    """An answer that replaced numpy.isclose in the pool made a later wrong countdown answer score 1.0: the scorer's
+    fork dies with the patch (screen off, to reach it). An answer that writes a score where the fork reports one is
+    code, and refused (screen on)."""
+    row = rg_row("countdown")
+    numbers = row["label"]["entry"]["metadata"]["numbers"]
+    wrong = "-".join(map(str, numbers))  # the puzzle's numbers, the wrong target
+    assert rg_library(row, wrong) == 0.05
+    monkeypatch.setattr(rg, "EVALUATES", set())
+    asyncio.run(rg_step(row, "<answer>__import__('numpy').__setattr__('isclose', lambda *a, **k: True) or 1</answer>"))
+    assert asyncio.run(rg_step(row, f"<answer>{wrong}</answer>")).reward == 0.05
+    monkeypatch.undo()
+    for fd in range(3, 8):
+        forged = asyncio.run(rg_step(row, f"<answer>__import__('os').write({fd}, b'{{\"score\": 1.0}}')</answer>"))
+        assert forged.reward == rg_library(row, None) and forged.info["rg/refused_answers"] == 1.0
+
+
+@pytest.mark.parametrize("reply", ["<answer>9**9**7</answer>", "<answer>" * 40_000 + "1"])
+def test_a_reasoning_gym_scorer_cannot_stall_the_pool(reply, monkeypatch):
+    """9**9**7 held the pool's GIL 8.4 s (parse_expr on the loop's thread); the library's answer regex took 4.9 s on an
+    unclosed <answer> (quadratic). Now: a timeout, scored as no answer and counted; a linear scan."""
+    monkeypatch.setattr(rg, "TIMEOUT", 1.0)
+    row = rg_row("countdown")
+    result, lag = loop_lag(rg_step(row, reply))
+    assert lag < 0.5 and result.reward == rg_library(row, None), lag
+    assert result.info["reward/grader_timeouts"] + result.info["rg/missing_answer"] == 1.0
+
+
+def test_puzzle24_answers_must_use_the_puzzles_numbers():
+    """The library's puzzle24 scorer takes any four numbers that make 24 (1*2*3*4 scored 1.0 on every puzzle)."""
+    row = rg_row("puzzle24", seed=5)
+    numbers, gold = row["label"]["entry"]["metadata"]["numbers"], row["label"]["entry"]["answer"]
+    assert sorted(numbers) != [1, 2, 3, 4] and rg_library(row, "1*2*3*4") == 1.0
+    assert asyncio.run(rg_step(row, "<answer>1*2*3*4</answer>")).reward == 0.01
+    assert asyncio.run(rg_step(row, f"<answer>{gold}</answer>")).reward == 1.0
+    other = "+".join(map(str, numbers))  # the puzzle's numbers, not 24 (unless they sum to it)
+    assert asyncio.run(rg_step(row, f"<answer>{other}</answer>")).reward == (1.0 if sum(numbers) == 24 else 0.01)
