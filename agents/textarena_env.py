@@ -13,12 +13,13 @@ trained on; with --judge.url, that model; "opponent_tokens" 32). Each turn the p
 observation (TextArena's wrapper repeats the whole game each turn; the conversation already holds it). The policy
 plays every other seed's first move. TextArena 0.7 has no opponent that runs offline (its agents call model APIs), so
 the default one is a uniformly random legal move, seeded per episode: a replay of the same actions gives the same
-game. TextArena's reset(seed) reseeds Python's global random.
+game. Legal moves come from the game's state (LEGAL), never from text: TextArena copies each player's message into
+the other's observation. A two-player game outside LEGAL is refused with the random opponent. The game reads the
+last ACTION_CHARS of an action, off the event loop. TextArena's reset(seed) reseeds Python's global random.
 """
 import contextlib
 import json
 import random
-import re
 
 import molt
 from molt import Env, Result, StepEnvRunner
@@ -28,7 +29,12 @@ PLAYERS = {"TicTacToe-v0": 2, "ConnectFour-v0": 2, "Nim-v0": 2, "GuessTheNumber-
            "Mastermind-v0": 1}
 DEFAULTS = {"data.path": SCHEME + "TicTacToe-v0", "rollout.max_new_tokens": 16, "rollout.max_turns": 10,
             "rollout.n_samples_per_prompt": 4, "rollout.batch_size": 4, "steps": 4, "data.max_len": 4096}
-MOVES = re.compile(r"'(\[[^\]]+\])'")  # TextArena lists legal moves as: Available Moves: '[0]', '[4]', ...
+LEGAL = {  # game -> its legal moves, read from its state
+    "TicTacToe-v0": lambda s: [f"[{r * 3 + c}]" for r in range(3) for c in range(3) if s["board"][r][c] == ""],
+    "ConnectFour-v0": lambda s: [f"[col {c}]" for c, top in enumerate(s["board"][0]) if top == "."],
+    "Nim-v0": lambda s: [f"[{i} {q}]" for i, n in enumerate(s["piles"]) for q in range(1, n + 1)],
+}
+ACTION_CHARS = 512  # what a game reads of an action (ConnectFour's move regex is quadratic: 8.8 s on 6,000 tokens)
 
 
 def load_data(spec: str, cfg, evaluation: bool) -> list[dict]:
@@ -43,24 +49,14 @@ def load_data(spec: str, cfg, evaluation: bool) -> list[dict]:
         if not players:
             raise molt.UsageError(f"textarena: how many players does {game} have? --env.args "
                                   f"'{{\"players\": {{\"{game}\": N}}}}'")
+        if players > 1 and game not in LEGAL and args.get("opponent", "random") == "random":
+            raise molt.UsageError(f"textarena: the random opponent knows the legal moves of {sorted(LEGAL)} only; "
+                                  f"for {game} set --env.args '{{\"opponent\": \"policy\"}}'")
         label = {"players": players, "kwargs": args.get("kwargs", {}).get(game, {}),
                  "opponent": args.get("opponent", "random"), "opponent_tokens": args.get("opponent_tokens", 32)}
         rows += [{"prompt": f"{game} #{s}", "label": {"game": game, "seed": s, **label}}
                  for s in range(seed, seed + args.get("size", 256))]
     return rows
-
-
-def legal_moves(obs: str) -> list[str]:
-    return MOVES.findall(obs.rsplit("Available Moves", 1)[-1]) if "Available Moves" in obs else []
-
-
-def random_move(obs: str, rng: random.Random) -> str:
-    """The fixed opponent: a uniformly random move among those the game lists as legal."""
-    moves = legal_moves(obs)
-    if not moves:
-        raise RuntimeError("the opponent found no 'Available Moves' in its observation: this game needs an opponent "
-                           "of its own")
-    return rng.choice(moves)
 
 
 class Game(Env):
@@ -75,10 +71,19 @@ class Game(Env):
             raise RuntimeError(f"{label['game']} ended before the policy's first move")
         return self.news()
 
+    def legal_moves(self) -> list[str]:
+        legal = LEGAL.get(self.label["game"])
+        return legal(self.game.state.game_state) if legal else []
+
+    async def play(self, action: str) -> bool:
+        """One move (its tail) in the game, off the loop; True when the game ended."""
+        done, _ = await molt.offload(self.game.step, action[-ACTION_CHARS:])
+        return done
+
     async def opponents_move(self) -> bool:
         """Play the opponent until it is the policy's turn; True when the game ended."""
         while self.turn[0] != self.me:
-            done, _ = self.game.step(action=await self.opponent(self.turn[1]))
+            done = await self.play(await self.opponent(self.turn[1]))
             if done:
                 return True
             self.turn = self.game.get_observation()
@@ -86,12 +91,12 @@ class Game(Env):
 
     async def opponent(self, obs: str) -> str:
         """The opponent's move: random, or the policy itself sampled through the judge route (self-play; its
-        calls are not recorded, so only the policy's side trains). Where the game lists its legal moves the sample
-        is guided to one of them (a JSON string from the list); one that still fails to parse (cut at
+        calls are not recorded, so only the policy's side trains). Where the game's legal moves are known (LEGAL) the
+        sample is guided to one of them (a JSON string from the list); one that still fails to parse (cut at
         opponent_tokens) is replaced by a random legal move: an opponent that forfeits teaches nothing."""
+        legal = self.legal_moves()
         if self.label["opponent"] == "random":
-            return random_move(obs, self.rng)
-        legal = legal_moves(obs)
+            return self.rng.choice(legal)
         guide = {"response_format": {"type": "json_schema", "json_schema": {
             "name": "move", "schema": {"type": "string", "enum": legal}}}} if legal else {}
         reply = await self.judge().chat.completions.create(
@@ -103,7 +108,7 @@ class Game(Env):
         with contextlib.suppress(ValueError):
             if (move := json.loads(text)) in legal:
                 return move
-        return random_move(obs, self.rng)
+        return self.rng.choice(legal)
 
     def news(self) -> str:
         """What the policy has not seen yet of its observation (the wrapper's text only grows)."""
@@ -113,7 +118,7 @@ class Game(Env):
         return new.strip() or obs
 
     async def step(self, action: str) -> Result:
-        done, _ = self.game.step(action=action)
+        done = await self.play(action)
         if not done:
             self.turn = self.game.get_observation()
             done = await self.opponents_move()

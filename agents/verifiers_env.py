@@ -6,11 +6,12 @@ loopback server, which records every turn token-exactly; its task's rewards are 
 
 --env.id: the environment (a verifiers taskset package: installed, or a module under "path"). --env.args: "path"
 (directories put on the import path, for an environment that is not installed), "taskset" (its taskset config's
-fields), "harness" ("null": verifiers' plain chat loop with the task's tools; "bash" adds its coding tools),
+fields), "harness" ("null": verifiers' plain chat loop with the task's tools; every harness that executes the
+policy's actions, "bash" and the agent CLIs, is refused: here it would run them on the host),
 "max_turns" (8), "sampling" (more request fields, e.g. {"tool_choice": "required"}). --data is the environment's own
 task set unless given (rows of its TaskData fields: prompt, and what its rewards read). Each episode runs verifiers'
-harness program in a local subprocess (never a Prime sandbox) with this Python; a task whose reward or rollout errs
-costs its episode, counted.
+harness program in a local subprocess (never a Prime sandbox) with this Python and an allow-listed environment
+(CHILD_ENV: none of the trainer's secrets); a task whose reward or rollout errs costs its episode, counted.
 
 Unlike verifiers' own trainer, which renders the prompt to token ids on its side (its renderers package) and sends
 them to vLLM's generate endpoint, here the environment speaks the plain chat API and Molt's server owns the tokens:
@@ -23,6 +24,7 @@ import hashlib
 import json
 import os
 import sys
+import types
 import weakref
 from pathlib import Path
 
@@ -33,6 +35,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(HERE, "..", "examples", "verifiers")  # vf_qa (single-turn), vf_calc (a calculator tool)
 DEFAULTS = {"env.id": "vf_calc", "env.args": json.dumps({"path": EXAMPLES}), "rollout.max_new_tokens": 64,
             "rollout.n_samples_per_prompt": 4, "rollout.batch_size": 4, "steps": 4}
+HOST_HARNESSES = {"null"}  # the chat loop and the task's own tools; every other harness executes the policy's actions
+CHILD_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "TMPDIR", "PYTHONPATH", "VIRTUAL_ENV")
+
+
+def allow_listed_children():
+    """verifiers 0.4.0's SubprocessRuntime gives every child (harness program, MCP tool server) its module's
+    `os.environ` minus names containing API_KEY (HF_TOKEN, AWS_SECRET_ACCESS_KEY, GITHUB_TOKEN reached them): its
+    module's `os` becomes one whose environ holds only CHILD_ENV, read now (after PYTHONPATH is set). Assumes the
+    runtime reads `os.environ` through its module global `os` (0.4.0)."""
+    import verifiers.v1.runtimes.subprocess as runtime
+    runtime.os = types.SimpleNamespace(**{**vars(os), "environ": {k: os.environ[k] for k in CHILD_ENV
+                                                                  if k in os.environ}})
 
 
 def offline_chat_program():
@@ -71,6 +85,7 @@ def environment(env_id: str, args: str):
         sys.path.insert(0, path)  # the harness and tool servers are subprocesses: they need it too
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (path, os.environ.get("PYTHONPATH")) if p)
     offline_chat_program()
+    allow_listed_children()
     agent = vf.AgentConfig(harness={"id": options.get("harness", "null")}, runtime=vf.SubprocessConfig(),
                            max_turns=options.get("max_turns", 8))
     return vf.load_environment(vf.SingleAgentEnvConfig(taskset={"id": env_id, **options.get("taskset", {})},
@@ -108,6 +123,9 @@ def load_data(spec: str, cfg, evaluation: bool) -> list[dict]:
     """The environment's task set as rows (the TaskData as the label), or a data file of TaskData rows."""
     if not cfg.env.id:
         raise molt.UsageError("agents/verifiers_env.py needs --env.id (a verifiers environment)")
+    if (harness := json.loads(cfg.env.args).get("harness", "null")) not in HOST_HARNESSES:
+        raise molt.UsageError(f"--env.args harness {harness!r} executes the policy's actions, and here it would run "
+                              f"them on the host: only {sorted(HOST_HARNESSES)} run until harnesses run sandboxed")
     data = molt.read_rows(spec, cfg.data) if spec else \
         [t.data.model_dump(mode="json") for t in environment(cfg.env.id, cfg.env.args).taskset]
     if bad := [i for i, row in enumerate(data) if "prompt" not in row]:

@@ -57,7 +57,7 @@ async def game_cost(rows, n=200):
         await env.reset(rows[i % len(rows)]["prompt"], rows[i % len(rows)]["label"])
         result = molt.Result(terminated=False)
         while not result.terminated:
-            result = await env.step(random.choice(ta.legal_moves(env.turn[1])))
+            result = await env.step(random.choice(env.legal_moves()))
             turns += 1
     return (time.perf_counter() - t) / turns * 1e3
 

@@ -219,6 +219,9 @@ def test_env_options_are_checked_at_launch():
     for bad in ("[1]", "{oops", '"x"'):
         with pytest.raises(molt.UsageError, match="--env.args must be a JSON object"):
             molt.parse_config(["--env.args", bad])
+    for harness in ("bash", "codex"):  # they execute the policy's actions: on the host, here
+        with pytest.raises(molt.UsageError, match=f"--env.args harness '{harness}' executes the policy's actions"):
+            vf_agent.load_data("", agent_config("verifiers_env.py", "vf_calc", path=ENVS, harness=harness), False)
     cfg = agent_config("reasoning_gym.py", size=3)  # Molt's loader hands the spelling to the module's load_data
     cfg.data.max_prompts = 2
     rows = molt.load_rows("reasoning-gym:letter_counting", cfg.data, cfg)
@@ -227,6 +230,10 @@ def test_env_options_are_checked_at_launch():
         molt.load_rows("", molt.DataConfig(), small_config(agent=str(ROOT / "agents" / "math.py")))
     with pytest.raises(molt.UsageError, match="how many players"):
         ta_agent.load_data("textarena:Chess-v0", agent_config("textarena_env.py"), False)
+    with pytest.raises(molt.UsageError, match="the random opponent knows the legal moves of"):
+        ta_agent.load_data("textarena:Chess-v0", agent_config("textarena_env.py", players={"Chess-v0": 2}), False)
+    assert ta_agent.load_data("textarena:Chess-v0", agent_config("textarena_env.py", players={"Chess-v0": 2},
+                                                                 opponent="policy", size=1), False)
 
 
 # ---------------------------------------------------------------- TextArena
@@ -290,25 +297,52 @@ def test_self_play_the_opponent_is_the_policy_through_the_unrecorded_route(engin
     assert set(opponent) <= {f"[{i}]" for i in range(9)}
 
 
+def state_moves(game_id: str, state: dict) -> list[str]:
+    """The test's own reading of a game's legal moves from its state, in the game's order (TextArena's "Available
+    Moves" text is written for tic-tac-toe only, and a player's message can forge it)."""
+    if game_id == "TicTacToe-v0":
+        return [f"[{i}]" for i, cell in enumerate(sum(state["board"], [])) if cell == ""]
+    if game_id == "ConnectFour-v0":
+        return [f"[col {c}]" for c in range(len(state["board"][0])) if state["board"][0][c] == "."]
+    return [f"[{i} {q}]" for i, n in enumerate(state["piles"]) for q in range(1, n + 1)]
+
+
 def library_outcome(label: dict, policy_moves: list[str]) -> float | None:
     """The game as TextArena itself plays it, not the adapter: the policy's recorded moves at its seat (seed % players),
-    the seeded random opponent (random.Random(seed): a uniformly random one of the moves the game lists) at the
-    others; the library's reward for the policy's seat, or None while the game is not over."""
-    import re
-
+    the seeded random opponent (random.Random(seed): a uniformly random legal move) at the others; the library's
+    reward for the policy's seat, or None while the game is not over."""
     import textarena as ta
     game = ta.make(label["game"], **label["kwargs"])
     game.reset(num_players=label["players"], seed=label["seed"])
     me, rng, moves = label["seed"] % label["players"], random.Random(label["seed"]), iter(policy_moves)
     while True:
         player, obs = game.get_observation()
-        move = next(moves, None) if player == me else rng.choice(re.findall(r"'(\[[^\]]+\])'", obs.rsplit(
-            "Available Moves", 1)[-1]))
+        move = next(moves, None) if player == me else rng.choice(state_moves(label["game"], game.state.game_state))
         if move is None:
             return None
         done, _ = game.step(action=move)
         if done:
             return float(game.close()[0][me])
+
+
+@pytest.mark.parametrize("game", [g for g, n in ta_agent.PLAYERS.items() if n == 2])
+def test_every_two_player_game_plays_both_seats_against_the_default_opponent(game):
+    """ConnectFour and Nim list no legal moves in text: every game where the opponent moved first failed in reset."""
+    rows = ta_agent.load_data(f"textarena:{game}", agent_config("textarena_env.py", size=4), False)
+
+    async def episode(row, rng):
+        env, moves = ta_agent.Game(), []
+        await env.reset(row["prompt"], row["label"])
+        while True:
+            moves.append(rng.choice(state_moves(game, env.game.state.game_state)))
+            if (result := await env.step(moves[-1])).terminated:
+                return result, moves
+    seats = set()
+    for row in rows:
+        result, moves = run(episode(row, random.Random(row["label"]["seed"] + 7)))
+        seats.add(row["label"]["seed"] % 2)
+        assert result.info["ta/invalid_move"] == 0 and result.reward == library_outcome(row["label"], moves)
+    assert seats == {0, 1}
 
 
 def test_textarena_episodes_score_what_the_library_scores_and_train(engine, tiny, tiny_trainer):
