@@ -1322,10 +1322,11 @@ class EngineActor:
         """LoRA: the adapter into vLLM's one slot, in place (load_inplace) under the one id every request carries, those
         paused in flight included, so what they sample next comes from it. Assumes vLLM 0.32, which reads an adapter
         only from a PEFT directory: a directory of this engine's own holding adapter_config.json and a link to the
-        bucket file (its safetensors file is adapter_model.safetensors)."""
+        bucket file (its safetensors file is adapter_model.safetensors). The directory is made once, private (0700) and
+        unpredictably named (a predictable one that another user made first let root write through their link)."""
         from vllm.lora.request import LoRARequest
-        folder = shm_dir() / f"molt-weights-{os.getpid()}-lora-{self.index}"  # (freed with the other buffers)
-        folder.mkdir(exist_ok=True)
+        folder = Path(self.lora.lora_path) if self.lora else Path(tempfile.mkdtemp(  # (freed with the buffers)
+            prefix=f"molt-weights-{os.getpid()}-lora-{self.index}-", dir=shm_dir()))
         (folder / "adapter_config.json").write_text(json.dumps(config))
         link = folder / "adapter_model.safetensors"
         if not link.is_symlink() or os.readlink(link) != file:
@@ -5139,7 +5140,7 @@ class ShmBuckets:
             return self.maps[path]
         if (need := size + (16 << 20)) > (free := shutil.disk_usage(shm_dir()).free):
             raise OSError(28, f"{shm_dir()} has {free >> 20} MiB free; a weight bucket needs {need >> 20} MiB")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)
         finally:
@@ -5173,10 +5174,17 @@ class ShmBuckets:
 
 
 def free_stale_weights():
-    """Remove the weight buffers of processes that are gone (a killed run cannot remove its own)."""
+    """Remove the weight buffers of processes that are gone (a killed run cannot remove its own): only this user's,
+    named as Molt names them, and never through a link (any user can make a molt-weights-x)."""
+    import stat
     for old in shm_dir().glob("molt-weights-*"):
-        if not _pid_alive(int(old.name.split("-")[2])):
-            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+        pid = old.name.split("-")[2]
+        try:
+            st = old.lstat()
+            if pid.isdigit() and st.st_uid == os.getuid() and not _pid_alive(int(pid)):
+                shutil.rmtree(old, ignore_errors=True) if stat.S_ISDIR(st.st_mode) else old.unlink()
+        except OSError:  # gone meanwhile (another sweep)
+            pass
 
 
 def _pid_alive(pid: int) -> bool:

