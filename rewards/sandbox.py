@@ -2,16 +2,20 @@
 
 Every program runs under bubblewrap (bwrap, the tool Flatpak uses), and as nobody with power on the host:
 - Who: a new user namespace whose only uid, 65534, maps to an unprivileged host uid. Run as root, Molt first drops
-  to a dedicated host uid and gid (SANDBOX_UID, 65533 by default: Debian reserves it and assigns it to no one), so
-  no uid inside is host root; no capabilities; no further user namespaces (bwrap's --disable-userns, and seccomp).
+  to a host uid and gid of the sandbox's own (one of SANDBOX_UIDS from SANDBOX_UID, none shared by two sandboxes at
+  once), so no uid inside is host root and no sandbox spends another's per-user kernel budgets; no capabilities; no
+  further user namespaces (bwrap's --disable-userns, and seccomp).
 - What it sees: new pid, network, ipc, uts, cgroup and mount namespaces; read-only system libraries and this
   Python's own installation (bound at the paths the interpreter resolves to, so a symlinked virtual environment
   works); its own /proc with /proc/sys read-only; a read-only /dev of its own (null, zero, full, random, urandom:
   no tty) whose /dev/shm, like /tmp, is a directory of the one scratch tmpfs; no host home, /root or /etc; an empty
   environment; a fresh, empty session keyring (the host's is never inherited).
 - What it may call: a seccomp filter built with libseccomp (through its Python bindings) refuses new namespaces,
-  mounts, io_uring, userfaultfd, bpf, perf events, the key calls, ptrace, module and clock calls and the rest a code
-  sandbox has no use for, terminal injection (TIOCSTI), and sockets other than unix, IPv4 and IPv6.
+  mounts, io_uring and native AIO, userfaultfd, bpf, perf events, inotify, file locks (flock and fcntl's), the key
+  calls, ptrace, module and clock calls and the rest a code sandbox has no use for (inotify, locks and AIO reach
+  kernel state the host and other sandboxes share through the bound directories or host-wide counts), terminal
+  injection (TIOCSTI), and sockets other than unix, IPv4 and IPv6. bwrap's own root is remounted read-only: only
+  the scratch tmpfs is writable.
 - How much: one cap for the whole sandbox where the host lets Molt make cgroups (as root, or with a delegated
   cgroup): a memory cgroup holds all its processes and its tmpfs together to MEMORY, a pids cgroup its processes
   to PROCESSES. Inside, per process: the address space (MEMORY), CPU seconds, file size, open files, no core
@@ -35,6 +39,7 @@ import functools
 import io
 import json
 import os
+import random
 import resource
 import selectors
 import shutil
@@ -55,7 +60,12 @@ IMAGE_PIXELS = int(os.environ.get("MOLT_IMAGE_MAX_PIXELS", 16_000_000))
 PLOT_SIDE = int(os.environ.get("MOLT_PLOT_MAX_SIDE", 1024))  # a saved image is shown at most this wide and high
 SIDE_BYTES = 4 * IMAGE_BYTES + 64  # what the side channel (fd 3) may carry in one run
 SCRATCH_BYTES = int(os.environ.get("MOLT_SANDBOX_SCRATCH_MB", 128)) << 20  # /scratch, /tmp and /dev/shm together
-SANDBOX_UID = int(os.environ.get("MOLT_SANDBOX_UID", 65533))  # the host uid and gid of sandboxes when Molt is root
+# As root, each concurrent sandbox runs as a host uid (and gid) of its own from this range, held by a lock in
+# UID_LOCKS for its life: the kernel's per-user budgets (pipe pages, processes) are then no sandbox's to exhaust for
+# another. The range is far above any distribution's users and subordinate-id ranges.
+SANDBOX_UID = int(os.environ.get("MOLT_SANDBOX_UID", 0x7FF00000))  # the first uid of the range
+SANDBOX_UIDS = int(os.environ.get("MOLT_SANDBOX_UIDS", 1024))  # how many: at most this many sandboxes at once
+UID_LOCKS = "/run/molt-sandbox-uids"
 NOBODY = "65534"
 # bwrap's own environment: its first process lives on inside the sandbox as pid 1, and /proc/1/environ is readable
 # there, so the host's variables (API keys) must not reach bwrap at all, not only the program it starts
@@ -90,7 +100,9 @@ DENIED_CALLS = (  # each a way into kernel code that a code sandbox never needs 
     "pidfd_getfd", "kcmp", "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "reboot",
     "swapon", "swapoff", "syslog", "acct", "quotactl", "quotactl_fd", "open_by_handle_at", "name_to_handle_at",
     "lookup_dcookie", "vhangup", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "iopl", "ioperm",
-    "uselib", "nfsservctl", "sysfs", "ustat", "_sysctl", "fanotify_init")
+    "uselib", "nfsservctl", "sysfs", "ustat", "_sysctl", "fanotify_init", "inotify_init", "inotify_init1",
+    "inotify_add_watch", "flock", "io_setup", "io_submit", "io_getevents", "io_pgetevents", "io_cancel", "io_destroy")
+FILE_LOCKS = (5, 6, 7, 36, 37, 38, 1024)  # fcntl's F_GETLK, F_SETLK, F_SETLKW, the F_OFD_ three, F_SETLEASE
 NEW_NAMESPACES = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)  # CLONE_NEW*
 TERMINAL_INJECTION = (0x5412, 0x541C)  # TIOCSTI, TIOCLINUX
 OTHER_FAMILIES = (0, 3, 4, 5, 6, 7, 8, 9)  # below 11, every socket family but AF_UNIX (1), AF_INET (2), AF_INET6 (10)
@@ -110,8 +122,8 @@ def _seccomp():
 
 @functools.lru_cache(maxsize=1)
 def seccomp_program() -> bytes:
-    """The sandbox's seccomp filter as BPF: every call allowed except DENIED_CALLS and clone into new namespaces
-    (EPERM), clone3 (ENOSYS: its flags sit in memory a filter cannot read, and the C library falls back to clone),
+    """The sandbox's seccomp filter as BPF: every call allowed except DENIED_CALLS, fcntl's FILE_LOCKS commands and
+    clone into new namespaces (EPERM), clone3 (ENOSYS: its flags sit in memory a filter cannot read, and the C library falls back to clone),
     terminal injection (EPERM) and other socket families (EAFNOSUPPORT). Calls through another architecture's ABI
     (i386, x32) kill the process: libseccomp's default for a foreign architecture."""
     import errno
@@ -122,6 +134,8 @@ def seccomp_program() -> bytes:
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
     for flag in NEW_NAMESPACES:
         f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+    for command in FILE_LOCKS:
+        f.add_rule(sc.ERRNO(errno.EPERM), "fcntl", sc.Arg(1, sc.EQ, command))
     for request in TERMINAL_INJECTION:
         f.add_rule(sc.ERRNO(errno.EPERM), "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
     for family in OTHER_FAMILIES:
@@ -285,6 +299,7 @@ def bwrap_argv(extra: list[str] = (), seccomp_fd: int | None = None, staged: boo
              "/scratch/.shm", "--symlink", "scratch/.tmp", "/tmp"]
     for i, (real, paths) in enumerate(python_roots()):  # after the scratch, so a checkout under /tmp finds its Python
         argv += [a for p in paths for a in ("--ro-bind", f"{STAGE}/{i}" if staged else real, p)]
+    argv += ["--remount-ro", "/"]  # bwrap's root is a tmpfs of no size: writable, it bypassed the scratch cap
     argv += ["--chdir", "/scratch", "--setenv", "HOME", "/scratch", "--setenv", "PATH", "/usr/bin:/bin",
              "--setenv", "MPLBACKEND", "Agg", "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "LANG", "C.UTF-8"]
     argv += ["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []
@@ -299,9 +314,28 @@ def _native():
     return ctypes.CDLL(None, use_errno=True), sc.resolve_syscall(sc.system_arch(), "keyctl")
 
 
-def _enter(cgroups: list[str], roots: list[str], limits: list, side_w: int | None, side: int | None):
+def _claim_uid() -> tuple[int, int]:
+    """As root: (a uid of the range no other sandbox on this host holds, the descriptor whose flock holds it until
+    the sandbox is reaped); else (-1, -1)."""
+    import fcntl
+    if os.geteuid() != 0:
+        return -1, -1
+    os.makedirs(UID_LOCKS, mode=0o700, exist_ok=True)
+    start = random.randrange(SANDBOX_UIDS)  # (fewer held ones to step over)
+    for i in range(SANDBOX_UIDS):
+        uid = SANDBOX_UID + (start + i) % SANDBOX_UIDS
+        fd = os.open(f"{UID_LOCKS}/{uid}", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return uid, fd
+        except BlockingIOError:
+            os.close(fd)
+    raise SandboxError(f"all {SANDBOX_UIDS} sandbox uids are held: more sandboxes at once than MOLT_SANDBOX_UIDS")
+
+
+def _enter(cgroups: list[str], roots: list[str], limits: list, side_w: int | None, side: int | None, uid: int):
     """In the child, before bwrap starts: join the sandbox's cgroups; as root, stage what bwrap binds (_stage); set
-    the limits; trade the host's session keyring for a new, empty one; and, as root, become SANDBOX_UID for good, so
+    the limits; trade the host's session keyring for a new, empty one; and, as root, become `uid` for good, so
     nothing after this runs as host root. Everything inside inherits all of it, and no capability there undoes it.
     The side channel's pipe end becomes fd `side`."""
     for path in cgroups:  # joined before exec: bwrap and everything it starts is counted
@@ -316,8 +350,8 @@ def _enter(cgroups: list[str], roots: list[str], limits: list, side_w: int | Non
     libc.syscall(keyctl, 1, None)  # KEYCTL_JOIN_SESSION_KEYRING, no name: a new anonymous keyring (seccomp denies
     if os.geteuid() == 0:          # the key calls inside anyway; a host that refuses keyctl itself refuses it here)
         os.setgroups([])
-        os.setresgid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
-        os.setresuid(SANDBOX_UID, SANDBOX_UID, SANDBOX_UID)
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
     if side_w is not None and side_w != side:
         os.dup2(side_w, side)
         os.close(side_w)
@@ -361,21 +395,22 @@ def _spawn(program: list[str], limits: list, extra: list[str] = (), side: int | 
     os.write(rules, seccomp_program())
     os.lseek(rules, 0, os.SEEK_SET)
     r, w = (_high(fd) for fd in os.pipe()) if side else (None, None)
-    cgroups = _make_cgroups()
+    cgroups, (uid, held) = _make_cgroups(), _claim_uid()
     argv = bwrap_argv(extra, rules, staged) + program
     try:
-        proc = subprocess.Popen(argv, preexec_fn=functools.partial(_enter, cgroups, roots, limits, w, side),
+        proc = subprocess.Popen(argv, preexec_fn=functools.partial(_enter, cgroups, roots, limits, w, side, uid),
                                 start_new_session=True, env=BWRAP_ENV, cwd="/",
                                 pass_fds=(rules, *((w, side) if side else ())), **popen)
     except BaseException:
         _remove_cgroups(cgroups)
+        _release(held)
         if side:
             os.close(r)
         raise
     finally:
         for fd in (rules, *((w,) if side else ())):
             os.close(fd)
-    proc.cgroups, proc.side = cgroups, r
+    proc.cgroups, proc.side, proc.held = cgroups, r, held
     return proc
 
 
@@ -448,10 +483,17 @@ def _kill(proc):
 
 
 def _reap(proc: subprocess.Popen) -> int:
-    """Wait for bwrap and drop its cgroups."""
+    """Wait for bwrap (the pid namespace, and every process in it, dies with it), drop its cgroups, free its uid."""
     code = proc.wait()
     _remove_cgroups(proc.cgroups)
+    _release(proc.held)
+    proc.held = -1  # (closed once: the number may soon be another file's)
     return code
+
+
+def _release(held: int):
+    if held >= 0:
+        os.close(held)
 
 
 def run(source: str, stdin: bytes = b"", timeout: float = TIMEOUT, side: bool = False, env: dict | None = None):
@@ -480,8 +522,8 @@ def require():
     no capabilities and the seccomp filter. Warn once where the host lets Molt make no memory cgroup."""
     if _CHECKED:
         return
-    if SANDBOX_UID == 0:
-        raise SandboxUnavailable("MOLT_SANDBOX_UID is 0: the sandbox must run as an unprivileged host uid")
+    if SANDBOX_UID <= 0:
+        raise SandboxUnavailable("MOLT_SANDBOX_UID is 0: the sandbox must run as unprivileged host uids")
     _sweep_cgroups()
     try:
         out, err, _, code, stopped = _run([sys.executable, "-I", "-c", PROBE], b"", 60)

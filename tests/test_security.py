@@ -355,7 +355,7 @@ def test_no_uid_inside_the_sandbox_is_host_root():
     uids = {u for sample in seen for p in sample for u in p}
     assert uids and 0 not in uids, uids
     if os.geteuid() == 0:
-        assert uids == {sandbox.SANDBOX_UID}
+        assert len(uids) == 1 and uids <= set(range(sandbox.SANDBOX_UID, sandbox.SANDBOX_UID + sandbox.SANDBOX_UIDS))
 
 
 @pytest.mark.parametrize("setting", ["kernel/printk_ratelimit_burst", "kernel/core_pattern"])
@@ -1024,3 +1024,78 @@ def test_the_weight_sweep_removes_only_what_a_dead_run_of_this_user_left(tmp_pat
     finally:
         for p in (stray, foreign, link):
             p.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fourth round. The sandbox's shared kernel state: its root, inotify, file locks, native AIO, per-user budgets
+
+def test_nothing_can_be_written_outside_the_scratch():
+    """bwrap's own root was a writable tmpfs of no size: 360 MiB landed against a 128 MiB scratch cap."""
+    code = ("import os\nfor path in ('/big', '/usr/big', '/newdir/big'):\n    try:\n"
+            "        os.makedirs(os.path.dirname(path), exist_ok=True)\n        open(path, 'wb').write(b'x' * 4096)\n"
+            "        print('wrote', path)\n    except OSError as err:\n        print('refused', path, err.errno)")
+    out = sandbox.run_python(code, timeout=30)
+    assert "wrote" not in out and out.count("refused") == 3, out
+
+
+def in_sandbox(code: str, marker: str, seconds: float = 3) -> threading.Thread:
+    """code in a sandbox on a thread, then a sleep there of `seconds`, beside a child whose command line carries
+    marker (for the host to find)."""
+    code += (f"\nimport subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', 'import time; "
+             f"time.sleep({seconds})', {marker!r}])\ntime.sleep({seconds})\n")
+    thread = threading.Thread(target=sandbox.run_python, args=(code,), kwargs={"timeout": 60})
+    thread.start()
+    return thread
+
+
+def test_a_sandbox_cannot_hold_a_lock_the_host_sees():
+    """flock on a bound (read-only) file was seen by the host and by a concurrent sandbox: the host's own lock on
+    the standard library's os.py succeeds while a sandbox tries to hold one on it, by flock and by fcntl."""
+    import fcntl
+    target = os.path.realpath(os.__file__)
+    code = (f"import fcntl, os\nf = open({target!r}, 'rb')\nfor lock in (lambda: fcntl.flock(f, fcntl.LOCK_EX), "
+            "lambda: fcntl.lockf(f, fcntl.LOCK_SH)):\n    try:\n        lock()\n    except OSError:\n        pass")
+    thread = in_sandbox(code, "molt-lock")
+    time.sleep(2)
+    with open(target, "rb") as f, open(target, "r+b") as g:  # (g: a write lock needs a writable descriptor)
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError while a sandbox holds a lock
+        fcntl.lockf(g, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    thread.join()
+
+
+def test_a_sandbox_takes_nothing_from_the_hosts_aio_count_and_watches_nothing():
+    """io_setup(65536) took the host-wide AIO count (the host's own io_setup then failed); inotify on the bound
+    directories saw every open and exec on the host. Seen from the host: aio-nr unchanged while a sandbox tries."""
+    before = Path("/proc/sys/fs/aio-nr").read_text()
+    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nctx = ctypes.c_ulong(0)\n"
+            "print('aio', libc.syscall(206, 65536, ctypes.byref(ctx)), ctypes.get_errno())\n"  # io_setup
+            "print('inotify', libc.inotify_init1(0), ctypes.get_errno())")
+    out = []
+    thread = threading.Thread(target=lambda: out.append(sandbox.run_python(code + "\nimport time; time.sleep(3)",
+                                                                           timeout=60)))
+    thread.start()
+    time.sleep(2)
+    during = Path("/proc/sys/fs/aio-nr").read_text()
+    thread.join()
+    assert during == before and "aio -1 1" in out[0] and "inotify -1 1" in out[0], out
+
+
+PIPE_HOG = ("import fcntl, os, time\nfor _ in range(4):  # 4 processes x 24 pipes of 1 MiB (64 descriptors each)\n"
+            "    if os.fork() == 0:\n        try:\n            held = [os.pipe() for _ in range(24)]\n"
+            "            for r, w in held:\n                fcntl.fcntl(w, 1031, 1 << 20)  # F_SETPIPE_SZ\n"
+            "        except OSError:\n            pass\n        time.sleep(6)\n        os._exit(0)")
+
+
+def test_one_sandbox_cannot_spend_anothers_kernel_budgets():
+    """Every sandbox was host uid 65533, so the per-user budgets were shared: one sandbox's pipes (past the 64 MiB of
+    pipe pages a user has) left a concurrent one unable to size its own (EPERM). Each now runs as its own host uid."""
+    if os.geteuid() != 0:
+        pytest.skip("distinct host uids need root")
+    marker = "molt-hog-" + uuid.uuid4().hex
+    hog = in_sandbox(PIPE_HOG, marker, seconds=6)
+    time.sleep(2)
+    out = sandbox.run_python("import fcntl, os\nr, w = os.pipe()\nprint(fcntl.fcntl(w, 1031, 1 << 20))", timeout=30)
+    uids = {p.uids().real for p in marked(marker)}
+    hog.join()
+    assert out.strip() == str(1 << 20), out
+    assert len(uids) == 1 and uids <= set(range(sandbox.SANDBOX_UID, sandbox.SANDBOX_UID + sandbox.SANDBOX_UIDS))
