@@ -2488,6 +2488,17 @@ def decode_anthropic(body: dict) -> Turn:
 # joins them), flat function tools nested, text.format as response_format. Fields without effect on sampling
 # (include, metadata, truncation, user, prompt_cache_key, ...) are accepted and ignored, as OpenAI does.
 RESPONSES_KEPT = 64  # stored responses per session (the oldest go first); all of them go with the episode
+RESPONSES_BYTES = 64 << 20  # and their bytes (as JSON) per session; one response alone over it is refused (413)
+SESSION_SEGMENTS = 128  # segments one session may open (branches off stored responses, rewritten histories): 400
+
+
+def _metadata(body: dict):
+    """OpenAI's own limits: at most 16 pairs, keys of at most 64 characters, string values of at most 512."""
+    meta = body.get("metadata")
+    _require(meta is None or isinstance(meta, dict) and len(meta) <= 16 and all(
+        isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in meta.items()),
+        "'metadata' holds at most 16 pairs, keys of at most 64 characters and string values of at most 512")
+    return meta
 
 
 def _response_parts(content, where: str, role: str):
@@ -2586,6 +2597,7 @@ def decode_responses(body: dict) -> Turn:
     """OpenAI Responses body -> Turn; echo keeps what its reply repeats and what the session stores. The messages
     are the input's only: previous_response_id puts the stored conversation before them (LoopbackServer.continued)."""
     chat = responses_as_chat(body)
+    _metadata(body)
     history = response_messages(body.get("input"))
     chat["messages"] += history
     chat["max_tokens"] = _number(chat, "max_output_tokens", 1, 1 << 30, True)
@@ -2768,6 +2780,7 @@ class LoopbackServer:
             model = body.get("model") or self.model_name
             async with s.lock:  # one turn at a time per session
                 self.continued(s, turn)
+                self.storable(turn)
                 if turn.stream:
                     return await self.stream_turn(request, s, turn, wire, model)
                 replies = await self.turn(s, turn)
@@ -2786,6 +2799,14 @@ class LoopbackServer:
         turn.echo["history"] = history + turn.echo["history"]
         system = [{"role": "system", "content": turn.echo["instructions"]}] if turn.echo["instructions"] else []
         turn.messages = _openai_messages(system + turn.echo["history"])
+
+    def storable(self, turn: Turn):
+        """A response to be stored, measured before it is sampled: over RESPONSES_BYTES alone it is refused."""
+        if turn.echo.get("store"):
+            turn.echo["bytes"] = len(json.dumps(turn.echo, default=str))
+            _require(turn.echo["bytes"] <= RESPONSES_BYTES, f"this response would be stored with {turn.echo['bytes']} "
+                     f"bytes of input and history; a session keeps at most {RESPONSES_BYTES} (send it with "
+                     "store: false)", 413)
 
     def kept(self, s: Session, rid: str) -> tuple:
         _require(rid in s.responses, f"Response with id '{rid}' not found.", 404)
@@ -2842,6 +2863,9 @@ class LoopbackServer:
 
     async def prepare(self, s: Session, turn: Turn) -> Prepared:
         text, new_images, seg = self.new_context(s, turn, await self.images(turn))
+        _require(len(s.segments) + (turn.n if seg is None or turn.n > 1 else 0) <= SESSION_SEGMENTS, f"this episode "
+                 f"has opened {len(s.segments)} segments (each a branch or a rewritten history); a session may open "
+                 f"at most {SESSION_SEGMENTS}")
         ids, _, mm = await self.codec.encode_async(text, new_images)
         context = (seg.tokens if seg else []) + ids
         _require(len(context) < self.cfg.data.max_len, f"context of {len(context)} tokens reaches the model "
@@ -2906,7 +2930,8 @@ class LoopbackServer:
         s.last_messages, s.last_tools, s.choices, s.template = turn.messages, turn.tools, choices, turn.template
         if turn.echo.get("store"):  # a Responses reply, kept for previous_response_id and retrieval
             s.responses[turn.echo["id"]] = (turn, *choices[0], len(choices[0][1].tokens))
-            while len(s.responses) > RESPONSES_KEPT:
+            while len(s.responses) > RESPONSES_KEPT or sum(t.echo["bytes"] for t, *_ in s.responses.values()) > \
+                    RESPONSES_BYTES:
                 s.responses.pop(next(iter(s.responses)))
         return [reply for reply, _ in choices]
 

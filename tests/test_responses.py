@@ -163,6 +163,40 @@ def test_the_second_case_of_a_chain_instructions_items_storage_and_tools(engine,
     assert gone == [True, True] and kept.id == ids[0]
 
 
+FULL_METADATA = {f"k{i:02d}": "v" * 512 for i in range(16)}  # OpenAI's most: about 8.5 KB as JSON
+
+
+def test_a_sessions_stored_responses_and_segments_are_bounded(engine, tiny, monkeypatch):
+    """64 stored responses with 4 MB of metadata each held +263 MiB; branches off one response opened 300 segments.
+    Now metadata within OpenAI's limits (400), a byte budget per session (the oldest go; one alone over it, 413,
+    unless not stored) and a segment cap (400). The budgets are lowered here so a few requests reach them."""
+    monkeypatch.setattr(molt, "RESPONSES_BYTES", 20_000)
+    monkeypatch.setattr(molt, "SESSION_SEGMENTS", 5)
+
+    async def main():
+        async with Server(engine, tiny, ENDS) as srv:
+            c, post = srv.openai(), srv.post
+            over = [await post("/v1/responses", {"model": "m", "input": "hi", "metadata": m}) for m in
+                    ({"k": "x" * 4_000_000}, {f"k{i}": "v" for i in range(17)}, {"k" * 65: "v"}, {"k": 1})]
+            ids = [(await c.responses.create(model="m", input="hi", metadata=FULL_METADATA, max_output_tokens=1)).id
+                   for _ in range(3)]
+            kept, session = [rid in srv.session.responses for rid in ids], srv.session
+            stored = sum(t.echo["bytes"] for t, *_ in session.responses.values())
+            monkeypatch.setattr(molt, "RESPONSES_BYTES", 5_000)
+            alone = await post("/v1/responses", {"model": "m", "input": "hi", "metadata": FULL_METADATA})
+            unstored = await post("/v1/responses", {"model": "m", "input": "hi", "metadata": FULL_METADATA,
+                                                    "store": False, "max_output_tokens": 1})
+            branches = [await post("/v1/responses", {"model": "m", "input": "again", "previous_response_id": ids[-1],
+                                                     "store": False, "max_output_tokens": 1}) for _ in range(4)]
+            return over, kept, stored, alone, unstored, branches, len(session.segments)
+    over, kept, stored, alone, unstored, branches, segments = run(main())
+    assert [status for status, _ in over] == [400] * 4 and "at most 16 pairs" in over[0][1]["error"]["message"]
+    assert kept == [False, True, True] and 0 < stored <= 20_000  # the oldest went to fit the budget
+    assert alone[0] == 413 and "store: false" in alone[1]["error"]["message"] and unstored[0] == 200
+    assert [status for status, _ in branches] == [200, 200, 400, 400] and segments == 5  # (the first extends)
+    assert "at most 5" in branches[2][1]["error"]["message"]
+
+
 @pytest.mark.parametrize("body, fragment", [
     ({"input": [{"type": "item_reference", "id": "x"}]}, "item_reference"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "only function tools"),
