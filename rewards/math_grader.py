@@ -43,17 +43,26 @@ NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 
 # Runs inside the sandboxed worker: LaTeX parsing only, for the answer and the label alike.
 # math-verify's own unit stripping is off: it would read 3m as 3 metres (units written as text are dropped on the host).
+# Two rules the host path keeps too, decided on the parse: a relation where the label has none is no value (any
+# spelling: 3 \equiv 2 and 3 ≐ 2 parse to Eq(3, 2), which math-verify matched to 2), and a decimal is the exact
+# rational it spells (math-verify rounds floats: 1.4142136 was \sqrt{2}).
 VERIFIER = r'''
 from latex2sympy2_extended.latex2sympy2 import NormalizationConfig
 from math_verify import LatexExtractionConfig, parse, verify
+from sympy import Basic, Rational
+from sympy.core.relational import Relational
 CONFIG = [LatexExtractionConfig(boxed_match_priority=0, normalization_config=NormalizationConfig(
     basic_latex=True, units=False, malformed_operators=True, nits=True, boxed="all", equations=False))]
+def exact(parsed):
+    return [x.replace(lambda e: e.is_Float, lambda e: Rational(str(e))) if isinstance(x, Basic) else x for x in parsed]
+def relation(parsed):
+    return any(isinstance(x, Relational) for x in parsed)
 def handler(req):
     gold = parse(req["gold"], extraction_config=CONFIG, parsing_timeout=None)
     answer = parse(req["answer"], extraction_config=CONFIG, parsing_timeout=None)
-    if not gold or not answer:
+    if not gold or not answer or relation(answer) and not relation(gold):
         return {"correct": False, "unparsed": True}
-    return {"correct": bool(verify(gold, answer, timeout_seconds=None)), "unparsed": False}
+    return {"correct": bool(verify(exact(gold), exact(answer), timeout_seconds=None)), "unparsed": False}
 '''
 
 

@@ -653,6 +653,9 @@ def test_the_math_grader_cannot_stall_the_event_loop(answer):
     ("3 = 2", "2", False), ("2 + 1 = 2", "2", False), ("3 \\le 2", "2", False),  # only a lone variable's equation
     ("3m", "3m", True), ("x = 2", "2", True), ("AB = 5", "5", True), ("\\theta = 30", "30", True),
     ("12 cm", "12", True), ("12\\text{ cm}", "12", True), ("y = 2x+1", "y=1+2x", True),
+    ("3 \\equiv 2", "2", False), ("3 \u2250 2", "2", False), ("x \\in 2", "2", False),  # relations by the parse
+    ("1.4142136", "\\sqrt{2}", False), ("3.14159265", "\\pi", False),  # a decimal is exact, as on the host
+    ("0.5x", "\\frac{x}{2}", True), ("2\\sqrt{2}", "\\sqrt{8}", True), ("0.5", "\\frac{1}{2}", True),
 ])
 def test_units_and_equations_are_read_as_written(given, truth, correct):
     assert grader.is_equiv(given, truth) is correct
