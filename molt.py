@@ -1628,9 +1628,11 @@ class Codec:
         # the n episodes of a group render and tokenize the same prompt: do each once (jinja rendering was a fifth of
         # an agent pool's time on the copy task)
         self.rendered, self.text_ids = TextCache(), TextCache()
-        specials = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
-        self.special_ids = set(specials) - {self.tokenizer.unk_token_id}  # what a template writes (a MARK may be unk)
-        self.spellings = re.compile(trie_pattern([t for t in specials.values() if len(t) > 1]) or "(?!)")
+        # every added token, special or not (Qwen3's <tool_call>, <tool_response> and <think> are not): what a template
+        # writes; in content its spelling is broken (a MARK may be unk)
+        added = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items()}
+        self.special_ids = set(added) - {self.tokenizer.unk_token_id}
+        self.spellings = re.compile(trie_pattern([t for t in added.values() if len(t) > 1]) or "(?!)")
         source = (self.processor or self.tokenizer).chat_template
         self.template_vars = template_variables(source) - TEMPLATE_RESERVED
         self.string_content = vllm_content_format(source) == "string"  # the template reads content as one string
@@ -1664,7 +1666,7 @@ class Codec:
         return text
 
     def as_text(self, value):
-        """Message fields (recursively; not roles or part types) with each special token's spelling broken by MARK."""
+        """Message fields (recursively; not roles or part types) with each added token's spelling broken by MARK."""
         if isinstance(value, str):
             return self.spellings.sub(lambda m: m[0][0] + MARK + m[0][1:], value.replace(MARK, "\ufffd"))
         if isinstance(value, list):
@@ -1679,8 +1681,8 @@ class Codec:
         return (self.unmarked(text, ids), mm) if MARK in text else (ids, mm)
 
     def unmarked(self, text: str, ids: list[int]) -> list[int]:
-        """ids of marked text with each run of ordinary tokens re-tokenized from its text, marks removed and special
-        spellings kept as text (split_special_tokens). The special tokens found in the marked text are all the
+        """ids of marked text with each run of ordinary tokens re-tokenized from its text, marks removed and added
+        tokens' spellings kept as text. The special tokens found in the marked text are all the
         template's (the marks break the content's), so they and the runs between them line up one to one; the
         special runs stay as they are (a processor's expanded image pads included)."""
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -1691,8 +1693,11 @@ class Codec:
         if len(plain) != len(pieces):
             raise ValueError(f"the template's text does not line up with its tokens ({len(plain)} runs of text, "
                              f"{len(pieces)} pieces)")
-        fresh = iter(self.tokenizer(p.replace(MARK, ""), add_special_tokens=False, split_special_tokens=True)
-                     ["input_ids"] for p in pieces)
+        # split_special_tokens keeps a special's spelling text; an added token that is not special is matched
+        # whatever that flag says, so each piece is tokenized apart at its marks
+        fresh = iter([t for part in p.split(MARK) for t in self.tokenizer(part, add_special_tokens=False,
+                                                                          split_special_tokens=True)["input_ids"]]
+                     for p in pieces)
         return [t for r in runs for t in (next(fresh) if r[0] not in self.special_ids else r)]
 
     def encode_template(self, text: str, images: list | None = None) -> tuple[list[int], dict | None]:

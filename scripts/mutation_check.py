@@ -319,6 +319,13 @@ MUTATIONS = [
     ("grader-relation-by-spelling", "rewards: a relation spelled \\equiv or \u2250 passes for a value",
      "if not gold or not answer or relation(answer) and not relation(gold):", "if not gold or not answer:",
      [f"{SE}::test_units_and_equations_are_read_as_written"], GRADER),
+    ("codec-special-only", "trust: an added token that is not special (Qwen3's <tool_call>, <think>) stays whole in "
+     "content", "added = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items()}",
+     "added = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}",
+     [f"{SE}::test_special_token_spellings_in_content_stay_text"]),
+    ("codec-rejoined-at-marks", "trust: content re-tokenized with its marks removed (a non-special added token "
+     "re-forms)", "for part in p.split(MARK) for t in", 'for part in [p.replace(MARK, "")] for t in',
+     [f"{SE}::test_special_token_spellings_in_content_stay_text"]),
     ("envs-rg-eval-is-train", "environments: reasoning-gym's evaluation rows are its training rows",
      'seed = args.get("seed", cfg.seed) + evaluation', 'seed = args.get("seed", cfg.seed)',
      ["tests/test_envs.py::test_reasoning_gym_rows_are_the_librarys_and_its_score_is_the_reward"],
