@@ -157,19 +157,32 @@ def geo3k_run(tmp_path_factory):
     return run_dir, proc
 
 
+IN_FIXTURE = [0]  # fixtures being set up now (a test body may ask for one: request.getfixturevalue)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    IN_FIXTURE[0] += 1
+    try:
+        return (yield)
+    finally:
+        IN_FIXTURE[0] -= 1
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     """Every engine and trainer a test's own body starts is stopped when the test ends, passed or failed: one left up
-    holds about a GB for the rest of the session. (Fixtures stop theirs; molt.py subprocesses end with their run.)"""
+    holds about a GB for the rest of the session. (Fixtures stop theirs, those a body asks for included; molt.py
+    subprocesses end with their run.)"""
     started, launch, init = [], molt.launch_engines, molt.ModelGroup.__init__
 
     def launch_engines(*args, **kwargs):
         engines, ready = launch(*args, **kwargs)
-        started.extend(engines)
+        started.extend(engines if not IN_FIXTURE[0] else [])
         return engines, ready
 
     def group_init(self, *args, **kwargs):
-        started.append(self)
+        started.extend([self] if not IN_FIXTURE[0] else [])
         init(self, *args, **kwargs)
     molt.launch_engines, molt.ModelGroup.__init__ = launch_engines, group_init
     try:
