@@ -254,7 +254,8 @@ def grade(code: str, problem: Problem, timeout: float = sandbox.TIMEOUT) -> floa
         return 0.0
     parts = [p for t in problem.tests for p in t.parts]
     request = {"code": code, "setup": problem.setup, "modules": problem.modules, "parts": parts}
-    _, _, back, _, _ = sandbox.run(HARNESS, json.dumps(request).encode(), timeout, side=True)
+    _, _, back, _, _ = sandbox.run(HARNESS, json.dumps(request).encode(), timeout,  # what the parts may send back
+                                   side=len(parts) * (VALUE_BYTES + 1))
     lines = [x.decode(errors="replace") if len(x) <= VALUE_BYTES else '{"error": "too long"}'
              for x in back.split(b"\n")[:len(parts)]]
     lines += ['{"error": "no value"}'] * (len(parts) - len(lines))

@@ -417,9 +417,10 @@ def _spawn(program: list[str], limits: list, extra: list[str] = (), side: int | 
 # ---------------------------------------------------------------------------------------------------------------
 # How long: running a program, reading its output in bounded chunks, killing it at its deadline
 
-def _run(program: list[str], stdin: bytes, timeout: float, extra: list[str] = (), side: int | None = None):
+def _run(program: list[str], stdin: bytes, timeout: float, extra: list[str] = (), side: int | None = None,
+         side_bytes: int = SIDE_BYTES):
     """Run program in a sandbox, feed it stdin, and read stdout, stderr (and the side channel, if any) in chunks while
-    it runs, keeping OUTPUT_BYTES of each (SIDE_BYTES of the side channel) and dropping the rest; the whole sandbox is
+    it runs, keeping OUTPUT_BYTES of each (side_bytes of the side channel) and dropping the rest; the whole sandbox is
     killed at the deadline or past FLOOD_BYTES printed. -> (stdout, stderr, side bytes, exit code or None, why it was
     stopped or "")."""
     proc = _spawn(program, RUN_LIMITS, extra, side, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -442,8 +443,8 @@ def _run(program: list[str], stdin: bytes, timeout: float, extra: list[str] = ()
             stopped = f"timed out after {timeout:.1f}s"
         elif printed > FLOOD_BYTES:
             stopped = f"printed more than {FLOOD_BYTES >> 20} MiB"
-        elif len(extra_out) > SIDE_BYTES:
-            stopped = f"sent more than {SIDE_BYTES >> 20} MiB back"
+        elif len(extra_out) > side_bytes:
+            stopped = f"sent more than {side_bytes} bytes back"
     if stopped:
         _kill(proc)
     code = _reap(proc)
@@ -496,14 +497,15 @@ def _release(held: int):
         os.close(held)
 
 
-def run(source: str, stdin: bytes = b"", timeout: float = TIMEOUT, side: bool = False, env: dict | None = None):
-    """Run Python `source` in a fresh sandbox, stdin fed to it, fd 3 a channel back to the host when `side`, env set.
+def run(source: str, stdin: bytes = b"", timeout: float = TIMEOUT, side: bool | int = False, env: dict | None = None):
+    """Run Python `source` in a fresh sandbox, stdin fed to it, fd 3 a channel back to the host when `side` (an int:
+    at most that many bytes, else SIDE_BYTES), env set.
     -> (stdout, stderr, side bytes, exit code or None, why it was stopped or ""). Raises SandboxError when the
     sandbox itself did not start (bwrap refused, the interpreter is out of its reach): that is no program's failure."""
     require()
     extra = [a for k, v in (env or {}).items() for a in ("--setenv", k, str(v))]
     out, err, back, code, stopped = _run([sys.executable, "-I", "-c", PROLOGUE + source], stdin, timeout, extra,
-                                         3 if side else None)
+                                         3 if side else None, SIDE_BYTES if side is True else int(side))
     if not err.startswith(STARTED):
         raise SandboxError(f"the sandbox did not start ({stopped or f'exit code {code}'}): "
                            f"{err.decode(errors='replace').strip()[-600:]}")

@@ -326,6 +326,9 @@ MUTATIONS = [
     ("codec-rejoined-at-marks", "trust: content re-tokenized with its marks removed (a non-special added token "
      "re-forms)", "for part in p.split(MARK) for t in", 'for part in [p.replace(MARK, "")] for t in',
      [f"{SE}::test_special_token_spellings_in_content_stay_text"]),
+    ("grader-side-64mib", "availability: a code grade's side channel takes 64 MiB whatever its parts need",
+     "side=len(parts) * (VALUE_BYTES + 1))", "side=True)",
+     [f"{SE}::test_a_solution_sends_back_no_more_than_its_parts_need"], CODE),
     ("envs-rg-eval-is-train", "environments: reasoning-gym's evaluation rows are its training rows",
      'seed = args.get("seed", cfg.seed) + evaluation', 'seed = args.get("seed", cfg.seed)',
      ["tests/test_envs.py::test_reasoning_gym_rows_are_the_librarys_and_its_score_is_the_reward"],
