@@ -13,7 +13,9 @@ nothing where the comparison runs; an early exit, a printed verdict or a forged 
 
 Which names are the solution's: those an assertion uses without defining them, except builtins, names the test's
 set-up defines, and standard-library modules used as modules (`math.isclose`); a problem whose function shadows a
-builtin names it in `entry_point`. A test that cannot be split so (not one assertion; a call into the solution inside
+builtin names it in `entry_point`. When a solution is graded, each such name must be one its own source binds at
+its top level (or an entry point): a name bound where the source does not show it (`from math import *`, `exec`,
+`globals().update`, a function's `global`) is nobody's, and a test that uses one fails. A test that cannot be split so (not one assertion; a call into the solution inside
 a comprehension or lambda, whose variables exist only where the test runs; no call into the solution at all) is
 refused when the problem is read, counted (Problem.unsplittable, reported as reward/unsplittable_tests), never run.
 
@@ -39,11 +41,13 @@ WORKERS = int(os.environ.get("MOLT_GRADER_WORKERS", min(4, os.cpu_count() or 1))
 class Test:
     expr: str  # the assertion's expression, each solution part replaced by _molt_v{i}
     parts: list[str]  # the solution-rooted expressions, in that order
+    names: set[str] = field(default_factory=set)  # the names it takes for the solution's
 
 
 @dataclass
 class Problem:
     setup: str = ""  # the test's own imports and helpers: run where the comparison runs (and before the parts)
+    entries: set[str] = field(default_factory=set)  # names that are the solution's whatever else they are
     modules: list[str] = field(default_factory=list)  # standard modules the tests use without importing them
     tests: list[Test] = field(default_factory=list)
     unsplittable: int = 0
@@ -67,7 +71,7 @@ def read_problem(label: dict) -> Problem:
     except SyntaxError as err:
         raise ValueError(f"the problem's test set-up does not parse: {err}") from None
     entries = set(entry if isinstance(entry, list) else [entry] if entry else [])
-    problem, own = Problem(setup=setup, unsplittable=refused), defined_names(tree) - entries
+    problem, own = Problem(setup=setup, entries=entries, unsplittable=refused), defined_names(tree) - entries
     for test in tests:
         try:
             problem.tests.append(split_test(test, own, entries, problem.modules))
@@ -114,6 +118,27 @@ def defined_names(tree: ast.AST) -> set[str]:
     return names
 
 
+def top_level_names(code: str) -> set[str]:
+    """The names a solution's source binds at its top level (in if / try / with / for blocks too, not inside a
+    function, class, lambda or comprehension); none if it does not parse."""
+    try:
+        todo, names = list(ast.parse(code).body), set()
+    except SyntaxError:
+        return set()
+    scopes = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names if a.name != "*"}
+        elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            names.add(node.id)
+        elif not isinstance(node, scopes):
+            todo += ast.iter_child_nodes(node)
+    return names
+
+
 def split_test(test: str, own: set[str], entries: set[str], modules: list[str]) -> Test:
     """One assertion -> its expression with the solution's parts cut out (Unsplittable if it cannot be). own: names
     the test itself defines; entries: names that are the solution's whatever else they are; standard modules the
@@ -136,7 +161,7 @@ def split_test(test: str, own: set[str], entries: set[str], modules: list[str]) 
     if not cut.parts:
         raise Unsplittable(test)  # it tests nothing of the solution's
     modules += sorted(m for m in (as_modules & used) - own - entries if m not in modules)
-    return Test(ast.unparse(expr), cut.parts)
+    return Test(ast.unparse(expr), cut.parts, set(cut.solution))
 
 
 def root_name(node: ast.AST) -> str | None:
@@ -268,4 +293,5 @@ def grade(code: str, problem: Problem, timeout: float = sandbox.TIMEOUT) -> floa
         if verdict.get("timeout"):
             return 0.0  # the values it sent made the comparison too slow
         raise RuntimeError(f"the tests' own code failed where they are checked: {verdict.get('error')}")
-    return sum(verdict["passed"]) / len(problem.tests)
+    known = top_level_names(code) | problem.entries  # a test using a name nobody is known to bind fails
+    return sum(ok and t.names <= known for ok, t in zip(verdict["passed"], problem.tests)) / len(problem.tests)

@@ -246,7 +246,8 @@ ADD_TESTS = ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(10, 
     ("import os\nos._exit(0)", 0.0),
     ("raise SystemExit(0)", 0.0),
     ("import builtins\nbuiltins.eval = lambda *a, **k: True\nbuiltins.repr = lambda x: 'True'", 0.0),
-    ("import os\nos.write(3, b'{\"i\": \"0x3\"}\\n{\"i\": \"0x0\"}\\n{\"i\": \"0xf\"}\\n')\nos._exit(0)", 1.0),  # solved it
+    ("import os\nos.write(3, b'{\"i\": \"0x3\"}\\n{\"i\": \"0x0\"}\\n{\"i\": \"0xf\"}\\n')\nos._exit(0)", 0.0),  # right
+    # values, but no add in its source: a name nobody is known to bind (claiming values is all returning them does)
     ("import sys, json\nprint(json.dumps(['3', '0', '15']), flush=True)\nimport os\nos._exit(0)", 0.0),  # old channel
     ("import sys, json\nprint(json.dumps(['True'] * 3), flush=True)\nimport os\nos._exit(0)", 0.0),
     ("import json, sys\nsys.stdout.write(json.dumps([None] * 3) + '\\n' + json.dumps(['3'] * 99))", 0.0),
@@ -1121,3 +1122,19 @@ def test_a_solution_sends_back_no_more_than_its_parts_need(monkeypatch):
         sandbox.run
     monkeypatch.setattr(code_grader.sandbox, "run", lambda *a, **k: got.append(real(*a, **k)) or got[-1])
     assert code_grader.grade(flood, problem) == 0.0 and len(got[0][2]) <= cap + 65536  # what the host held
+
+
+@pytest.mark.parametrize("binding", ["import builtins\nbuiltins.pi = 0", "globals().update(pi=0)", "exec('pi = 0')",
+                                     "def _set():\n    global pi\n    pi = 0\n_set()"])
+def test_a_name_the_solution_binds_out_of_sight_is_nobodys(binding):
+    """`area(2) == pi * 4` with no pi in the test's set-up: a solution that bound pi where its source does not show it
+    set the expected value (1.00 for an area of 0). A test that uses such a name fails; a top-level binding in plain
+    sight is the solution's (second case), and so is an entry point."""
+    grader_ = code_agent.grader
+    problem = grader_.read_problem({"tests": ["assert area(2) == pi * 4", "assert area(1) == 0"]})
+    assert grader_.grade(f"{binding}\ndef area(r):\n    return 0\n", problem) == 0.5
+    assert grader_.grade("pi = 0\ndef area(r):\n    return 0\n", problem) == 1.0
+    hidden = grader_.read_problem({"tests": ["assert area(1) == 0"], "entry_point": "area"})
+    assert grader_.grade("exec('def area(r):\\n    return 0')", hidden) == 1.0  # named as the solution's
+    assert grader_.grade("exec('def area(r):\\n    return 0')",
+                         grader_.read_problem({"tests": ["assert area(1) == 0"]})) == 0.0
