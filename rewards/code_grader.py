@@ -2,14 +2,18 @@
 
 A test is an assertion, as MBPP (`test_list`, with `test_imports` / `test_setup_code`), HumanEval (`test`, which
 defines check(candidate), with `entry_point`) and most code data sets write them. Each is split on the host from its
-syntax tree alone (nothing is run here): every expression rooted in a name the solution defines (`add(1, 2)`,
-`Stack().push(3).peek()`) runs in the solution's sandbox and comes back as plain data (JSON with type tags: None,
+syntax tree alone (nothing is run here): every expression rooted in a name the solution defines runs in the
+solution's sandbox through its first call (`add(1, 2)`; of `compress(s).startswith(t)` only `compress(s)`, the rest
+applied to its plain result where the solution never ran; a chain rooted in a class the solution defines,
+`Stack().push(3).peek()`, whole) and comes back as plain data (JSON with type tags: None,
 bools, ints, floats, complex, strings, bytes, lists, tuples, dicts, sets, a subclass as its base, numpy values as
 lists; anything else, an object, is an error); the
 rest of the assertion, those values in their place, runs in a second sandbox that never imports the solution (a warm
 worker, a fresh fork per call). The solution never sees an expected value, and what it returns is judged by code it
 cannot touch: an object whose __eq__ is always True cannot even be sent back; a shadowed `sorted` or `math` shadows
-nothing where the comparison runs; an early exit, a printed verdict or a forged answer line earns nothing.
+nothing where the comparison runs; an early exit, a printed verdict or a forged answer line earns nothing. The
+test's set-up (imports, helpers, oracles, expected data) runs only where the comparison runs; a set-up value a call
+into the solution takes as its argument is sent to it as data.
 
 Which names are the solution's: those an assertion uses without defining them, except builtins, names the test's
 set-up defines, and standard-library modules used as modules (`math.isclose`); a problem whose function shadows a
@@ -42,6 +46,9 @@ class Test:
     expr: str  # the assertion's expression, each solution part replaced by _molt_v{i}
     parts: list[str]  # the solution-rooted expressions, in that order
     names: set[str] = field(default_factory=set)  # the names it takes for the solution's
+    # each part as (its root name, its chain through the first call, the rest of the chain over _molt_x)
+    chains: list[tuple] = field(default_factory=list)
+    given: set[str] = field(default_factory=set)  # the set-up's names its parts use (sent to them as data)
 
 
 @dataclass
@@ -118,9 +125,9 @@ def defined_names(tree: ast.AST) -> set[str]:
     return names
 
 
-def top_level_names(code: str) -> set[str]:
+def top_level_names(code: str, classes: bool = False) -> set[str]:
     """The names a solution's source binds at its top level (in if / try / with / for blocks too, not inside a
-    function, class, lambda or comprehension); none if it does not parse."""
+    function, class, lambda or comprehension), or only its classes; none if it does not parse."""
     try:
         todo, names = list(ast.parse(code).body), set()
     except SyntaxError:
@@ -129,7 +136,9 @@ def top_level_names(code: str) -> set[str]:
     while todo:
         node = todo.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
+            names |= {node.name} if not classes or isinstance(node, ast.ClassDef) else set()
+        elif classes:
+            todo += [n for n in ast.iter_child_nodes(node) if isinstance(n, ast.stmt)]
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names |= {a.asname or a.name.split(".")[0] for a in node.names if a.name != "*"}
         elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
@@ -161,7 +170,9 @@ def split_test(test: str, own: set[str], entries: set[str], modules: list[str]) 
     if not cut.parts:
         raise Unsplittable(test)  # it tests nothing of the solution's
     modules += sorted(m for m in (as_modules & used) - own - entries if m not in modules)
-    return Test(ast.unparse(expr), cut.parts, set(cut.solution))
+    return Test(ast.unparse(expr), [part for part, _ in cut.parts], set(cut.solution),
+                [(root_name(node), *first_call(node)) for _, node in cut.parts],
+                {n.id for _, node in cut.parts for n in ast.walk(node) if isinstance(n, ast.Name)} & own)
 
 
 def root_name(node: ast.AST) -> str | None:
@@ -171,8 +182,20 @@ def root_name(node: ast.AST) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
+def first_call(node: ast.AST) -> tuple[str, str]:
+    """A solution-rooted chain -> (the chain through its first call, the rest over _molt_x): compress('ab').upper()
+    -> ("compress('ab')", "_molt_x.upper()"); no call: (the chain, "_molt_x")."""
+    whole, inner, first = ast.unparse(node), node, None
+    while isinstance(inner, (ast.Call, ast.Attribute, ast.Subscript)):
+        first = inner if isinstance(inner, ast.Call) else first
+        inner = inner.func if isinstance(inner, ast.Call) else inner.value
+    prefix = ast.unparse(first) if first is not None else whole
+    return (prefix, "_molt_x" + whole[len(prefix):]) if whole.startswith(prefix) else (whole, "_molt_x")
+
+
 class Cut(ast.NodeTransformer):
-    """Replaces each largest expression rooted in one of the solution's names by _molt_v{i}, keeping its source."""
+    """Replaces each largest expression rooted in one of the solution's names by _molt_v{i}, keeping (its source, its
+    node)."""
 
     def __init__(self, solution: set[str], bound: set[str]):
         self.solution, self.bound, self.parts = solution, bound, []
@@ -181,28 +204,14 @@ class Cut(ast.NodeTransformer):
         if isinstance(node, ast.expr) and root_name(node) in self.solution:
             if {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} & self.bound:
                 raise Unsplittable("a call into the solution uses a variable the test binds")
-            self.parts.append(ast.unparse(node))
+            self.parts.append((ast.unparse(node), node))
             return ast.copy_location(ast.Name(f"_molt_v{len(self.parts) - 1}", ast.Load()), node)
         return self.generic_visit(node)
 
 
-# Runs in the solution's sandbox: the solution, the test's set-up, then each part, whose value goes back over fd 3 as
-# one JSON line as soon as it is known (a later part that hangs keeps the earlier ones). The solution may forge these
-# lines: it can only claim values, which is all returning them does.
-HARNESS = r'''
-import importlib, json, os, sys
-_req = json.loads(sys.stdin.read())
-_ns = {"__name__": "__main__"}
-for _source in (_req["code"], _req["setup"]):
-    try:
-        exec(compile(_source, "<solution>", "exec"), _ns)
-    except BaseException:
-        pass
-for _name in _req["modules"]:
-    try:
-        _ns.setdefault(_name, importlib.import_module(_name))
-    except BaseException:
-        pass
+# Plain data as JSON with type tags (i int, f float, c complex, b bytes, t tuple, s set, fs frozenset, d dict), and
+# back: the solution's values to the checker, the set-up's argument values to the solution.
+ENCODE = r'''
 # plain types, in the order they are tried (bool before int); a subclass (a Counter, a namedtuple, an int with its
 # own __eq__) is sent as its plain base, so nothing but plain data reaches the comparison
 _PLAIN = [(bool, None), (int, "i"), (float, "f"), (complex, "c"), (str, None), (bytes, "b"), (list, None),
@@ -226,19 +235,8 @@ def _plain(v, depth=0):
     else:
         payload = base(v) if tag is None else hex(int(v)) if base is int else base(v).hex()
     return payload if tag is None else {tag: payload}
-for _part in _req["parts"]:
-    try:
-        _line = json.dumps(_plain(eval(_part, _ns)))
-    except BaseException as _err:
-        _line = json.dumps({"error": type(_err).__name__})
-    os.write(3, _line.encode() + b"\n")
 '''
-
-# Runs in the checker's worker, which never sees the solution: each test's expression with the plain values read back
-# in place of the solution's parts. Type tags: i int, f float, c complex, b bytes, t tuple, s set, fs frozenset, d dict.
-CHECKER = r'''
-import importlib, json
-
+DECODE = r'''
 def _value(x, depth=0):
     if depth > 100:
         raise ValueError("nested too deep")
@@ -253,19 +251,66 @@ def _value(x, depth=0):
         return {_value(k, depth + 1): _value(w, depth + 1) for k, w in v}
     return {"i": lambda: int(v, 16), "f": lambda: float.fromhex(v), "b": lambda: bytes.fromhex(v),
             "c": lambda: complex(float.fromhex(v[0]), float.fromhex(v[1]))}[tag]()
+'''
+
+# Runs in the solution's sandbox: the solution (never the test's set-up: its helpers, oracles and expected data stay
+# where the comparison runs; the set-up's values a part names come as data), then each part, whose value goes back
+# over fd 3 as one JSON line as soon as it is known (a later part that hangs keeps the earlier ones). The solution may
+# forge these lines: it can only claim values, which is all returning them does.
+HARNESS = ENCODE + DECODE + r'''
+import importlib, json, os, sys
+_req = json.loads(sys.stdin.read())
+_ns = {"__name__": "__main__"}
+try:
+    exec(compile(_req["code"], "<solution>", "exec"), _ns)
+except BaseException:
+    pass
+for _name in _req["modules"]:
+    try:
+        _ns.setdefault(_name, importlib.import_module(_name))
+    except BaseException:
+        pass
+_given = {}  # the set-up's values the parts name (their arguments), as data
+for _name, _v in _req["given"].items():
+    try:
+        _given[_name] = _value(_v)
+    except BaseException:
+        pass
+for _part in _req["parts"]:
+    try:
+        _line = json.dumps(_plain(eval(_part, {**_ns, **_given})))
+    except BaseException as _err:
+        _line = json.dumps({"error": type(_err).__name__})
+    os.write(3, _line.encode() + b"\n")
+'''
+
+# Runs in the checker's worker, which never sees the solution: the set-up's values the parts name, as data; then each
+# test's expression with the plain values read back in place of the solution's parts (the rest of each chain applied
+# here).
+CHECKER = ENCODE + DECODE + r'''
+import importlib, json
 
 def _passes(ns, test):
     try:  # a part that raised came back as {"error": ...}, which no tag reads: the test fails
-        values = {f"_molt_v{i}": _value(json.loads(line)) for i, line in enumerate(test["values"])}
+        values = {f"_molt_v{i}": eval(tail, {**ns, "_molt_x": _value(json.loads(line))})
+                  for i, (line, tail) in enumerate(zip(test["values"], test["tails"]))}
         return bool(eval(test["expr"], {**ns, **values}))
     except Exception:
         return False
+
+def _given(ns, name):
+    try:
+        return [(name, _plain(ns[name]))]
+    except Exception:
+        return []  # not plain data (a function): the part naming it fails
 
 def handler(req):
     ns = {"__name__": "__main__"}
     for name in req["modules"]:
         ns[name] = importlib.import_module(name)
     exec(compile(req["setup"], "<test set-up>", "exec"), ns)
+    if "given" in req:
+        return {"given": dict(pair for name in req["given"] for pair in _given(ns, name))}
     return {"passed": [_passes(ns, test) for test in req["tests"]]}
 '''
 CHECKERS = sandbox.WorkerPool(CHECKER, WORKERS)
@@ -277,8 +322,17 @@ def grade(code: str, problem: Problem, timeout: float = sandbox.TIMEOUT) -> floa
     failures."""
     if not problem.tests:
         return 0.0
-    parts = [p for t in problem.tests for p in t.parts]
-    request = {"code": code, "setup": problem.setup, "modules": problem.modules, "parts": parts}
+    # a chain rooted in a class the solution defines runs whole where the solution runs (its objects cannot leave);
+    # any other runs there through its first call only, its plain result taking the rest of the chain here
+    classes = top_level_names(code, classes=True)
+    sent = [(part, "_molt_x") if root in classes else (prefix, tail)
+            for t in problem.tests for part, (root, prefix, tail) in zip(t.parts, t.chains)]
+    parts, given = [part for part, _ in sent], sorted({n for t in problem.tests for n in t.given})
+    values = CHECKERS.call({"setup": problem.setup, "modules": problem.modules, "given": given}, timeout) \
+        if given else {"given": {}}
+    if "given" not in values:
+        raise RuntimeError(f"the tests' own set-up failed where they are checked: {values.get('error')}")
+    request = {"code": code, "modules": problem.modules, "parts": parts, "given": values["given"]}
     _, _, back, _, _ = sandbox.run(HARNESS, json.dumps(request).encode(), timeout,  # what the parts may send back
                                    side=len(parts) * (VALUE_BYTES + 1))
     lines = [x.decode(errors="replace") if len(x) <= VALUE_BYTES else '{"error": "too long"}'
@@ -286,7 +340,8 @@ def grade(code: str, problem: Problem, timeout: float = sandbox.TIMEOUT) -> floa
     lines += ['{"error": "no value"}'] * (len(parts) - len(lines))
     tests, at = [], 0
     for t in problem.tests:
-        tests.append({"expr": t.expr, "values": lines[at:at + len(t.parts)]})
+        tests.append({"expr": t.expr, "values": lines[at:at + len(t.parts)],
+                      "tails": [tail for _, tail in sent[at:at + len(t.parts)]]})
         at += len(t.parts)
     verdict = CHECKERS.call({"setup": problem.setup, "modules": problem.modules, "tests": tests}, timeout)
     if "passed" not in verdict:

@@ -11,8 +11,8 @@ What runs here, on the host, is bounded before it runs: a response over RESPONSE
 is unparsed, and every pattern runs in time linear in its input (tests/test_security.py times the hostile ones), so no
 answer can hold the event loop's thread. Units are dropped only where they are text (`12 cm`,
 `12\\text{ cm}`), never a letter written against a number (`3m` may be 3 times m); an equation `X = Y` is read as Y
-only when X is a lone variable (x, y_1, \\theta, AB), and any other relation in an answer whose label has none is
-unparsed (`3 = 2` is not the answer 2).
+only when X is a lone variable (x, y_1, \\theta, AB), and any other relation in an answer whose label has none, however
+spelled, is unparsed (`3 = 2`, `3 \\equiv 2` are not the answer 2: decided on the sandbox's parse).
 
     extract_answer(text)   -> the last \\boxed{...}, else "the answer is X", else the last number (or None)
     check(response, label) -> Verdict(correct, timeout, unparsed)
@@ -37,15 +37,14 @@ UNITS = {"unit", "units", "degree", "degrees", "cm", "mm", "m", "km", "inch", "i
 TEXT_UNIT = re.compile(r"\\(?:text|mbox|mathrm)\{\s*(?:" + "|".join(sorted(map(re.escape, UNITS), key=len,
                                                                                reverse=True)) + r")\s*\}$")
 LONE_VARIABLE = re.compile(r"^(?:[a-zA-Z](?:_\{?[a-zA-Z0-9]{1,8}\}?)?|\\[a-zA-Z]{2,12}|[A-Z]{2,3})\s*=\s*")
-RELATIONS = ("=", "<", ">", "\\le", "\\ge", "\\ne", "\\approx", "\\lt", "\\gt", "\u2264", "\u2265", "\u2260", "\u2248")
 ANSWER_PHRASE = re.compile(r"(?:final answer|answer)\s*(?:is|:|=)\s*([^\n]+)", re.IGNORECASE)
 NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?")
 
 # Runs inside the sandboxed worker: LaTeX parsing only, for the answer and the label alike.
 # math-verify's own unit stripping is off: it would read 3m as 3 metres (units written as text are dropped on the host).
-# Two rules the host path keeps too, decided on the parse: a relation where the label has none is no value (any
-# spelling: 3 \equiv 2 and 3 ≐ 2 parse to Eq(3, 2), which math-verify matched to 2), and a decimal is the exact
-# rational it spells (math-verify rounds floats: 1.4142136 was \sqrt{2}).
+# Two rules, decided on the parse: a relation where the label has none is no value (any spelling: 3 \equiv 2 and
+# 3 ≐ 2 parse to Eq(3, 2), which math-verify matched to 2), and a decimal is the exact rational it spells, as on the
+# host (math-verify rounds floats: 1.4142136 was \sqrt{2}).
 VERIFIER = r'''
 from latex2sympy2_extended.latex2sympy2 import NormalizationConfig
 from math_verify import LatexExtractionConfig, parse, verify
@@ -142,8 +141,6 @@ def check(given: str | None, truth) -> Verdict:
     a, b = _plain(str(given)), _plain(str(truth))
     if not a or not b:
         return Verdict(False, unparsed=bool(a))
-    if any(r in a for r in RELATIONS) and not any(r in b for r in RELATIONS):
-        return Verdict(False, unparsed=True)  # an equation or inequality where a value is due
     x, y = _number(a), _number(b)
     if x is not None and y is not None:
         return Verdict(x == y)

@@ -1138,3 +1138,42 @@ def test_a_name_the_solution_binds_out_of_sight_is_nobodys(binding):
     assert grader_.grade("exec('def area(r):\\n    return 0')", hidden) == 1.0  # named as the solution's
     assert grader_.grade("exec('def area(r):\\n    return 0')",
                          grader_.read_problem({"tests": ["assert area(1) == 0"]})) == 0.0
+
+
+RLE = "def compress(s):\n    out = ''\n    for c in dict.fromkeys(s):\n        out += c + str(s.count(c))\n    return out\n"
+SPLIT = {  # what the split let through -> (label, an honest solution, forgeries that earned 1.00 before)
+    "a chain past the solution's call": (
+        {"tests": ["assert compress('aaabb').startswith('a3b2')"]}, RLE,
+        ["class S(str):\n    def startswith(self, *a, **k):\n        return True\ndef compress(s):\n    return S('')",
+         "class O:\n    def startswith(self, *a, **k):\n        return True\ndef compress(s):\n    return O()"]),
+    "the set-up's oracle": (
+        {"tests": ["assert sort_it([3, 1, 2]) == _oracle([3, 1, 2])"],
+         "setup": "def _oracle(xs):\n    return sorted(xs)"}, "def sort_it(xs):\n    return sorted(xs)",
+        ["def sort_it(xs):\n    return _oracle(xs)"]),
+    "the set-up's expected data": (
+        {"tests": ["assert sort_it([3, 1, 2]) == EXPECTED", "assert sort_it(data) == [1, 2, 3]"],
+         "setup": "EXPECTED = [1, 2, 3]\ndata = [3, 2, 1]"}, "def sort_it(xs):\n    return sorted(xs)",
+        ["def sort_it(xs):\n    return EXPECTED"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPLIT))
+def test_the_split_keeps_the_comparison_and_the_set_up_from_the_solution(case):
+    """A chain runs where the solution runs only through its first call (a str subclass's startswith answered for
+    the test); the test's set-up never runs there (a solution called the test's oracle, or returned its expected
+    data). The set-up's data a call takes as its argument is sent as data (second case)."""
+    label, honest, forgeries = SPLIT[case]
+    grader_ = code_agent.grader
+    problem = grader_.read_problem(label)
+    assert grader_.grade(honest, problem) == 1.0
+    assert [grader_.grade(f, problem) for f in forgeries] == [0.0] * len(forgeries)
+
+
+def test_a_chain_on_the_solutions_own_class_runs_where_the_solution_runs():
+    """Second case of the chain: an object of the solution's own class cannot leave its sandbox, so a chain rooted in
+    the class runs there whole, its plain end sent back."""
+    stack = "class Stack:\n    def __init__(self):\n        self.items = []\n    def push(self, x):\n" \
+            "        self.items.append(x)\n        return self\n    def peek(self):\n        return self.items[-1]\n"
+    problem = code_agent.grader.read_problem({"tests": ["assert Stack().push(3).push(4).peek() == 4"]})
+    assert code_agent.grader.grade(stack, problem) == 1.0
+    assert code_agent.grader.grade(stack.replace("[-1]", "[0]"), problem) == 0.0
