@@ -25,6 +25,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.configuration import set_hypothesis_home_dir
 
+import molt
+
 if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):  # its caches go to /tmp, not into the checkout
     set_hypothesis_home_dir(Path(tempfile.gettempdir()) / "molt-hypothesis")
 
@@ -78,9 +80,13 @@ class Live:
 
 @pytest.fixture(scope="module")
 def live(engine, tiny):
-    srv = Live(engine, tiny)
-    yield srv
-    srv.close()
+    """One session for every campaign: thousands of turns, past the segments one episode may open (a cap that
+    tests/test_responses.py checks), so the cap is lifted here."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(molt, "SESSION_SEGMENTS", 1 << 30)
+        srv = Live(engine, tiny)
+        yield srv
+        srv.close()
 
 
 # ---------------------------------------------------------------------------------------------------------------
