@@ -2497,14 +2497,6 @@ RESPONSES_BYTES = 64 << 20  # and their bytes (as JSON) per session; one respons
 SESSION_SEGMENTS = 128  # segments one session may open (branches off stored responses, rewritten histories): 400
 
 
-def _metadata(body: dict):
-    """OpenAI's own limits: at most 16 pairs, keys of at most 64 characters, string values of at most 512."""
-    meta = body.get("metadata")
-    _require(meta is None or isinstance(meta, dict) and len(meta) <= 16 and all(
-        isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in meta.items()),
-        "'metadata' holds at most 16 pairs, keys of at most 64 characters and string values of at most 512")
-    return meta
-
 
 def _response_parts(content, where: str, role: str):
     """A message item's content -> chat content: text parts (input_text, output_text) and input_image as image_url."""
@@ -2601,8 +2593,10 @@ def responses_as_chat(body: dict) -> dict:
 def decode_responses(body: dict) -> Turn:
     """OpenAI Responses body -> Turn; echo keeps what its reply repeats and what the session stores. The messages
     are the input's only: previous_response_id puts the stored conversation before them (LoopbackServer.continued)."""
-    chat = responses_as_chat(body)
-    _metadata(body)
+    chat, meta = responses_as_chat(body), body.get("metadata")  # kept with the response: OpenAI's own limits
+    _require(meta is None or isinstance(meta, dict) and len(meta) <= 16 and all(
+        isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in meta.items()),
+        "'metadata' holds at most 16 pairs, keys of at most 64 characters and string values of at most 512")
     history = response_messages(body.get("input"))
     chat["messages"] += history
     chat["max_tokens"] = _number(chat, "max_output_tokens", 1, 1 << 30, True)
