@@ -176,7 +176,7 @@ def test_verifiers_single_turn_env_its_rubric_is_the_reward(engine, tiny):
     samples = [s for o in outs for s in o.samples]
     assert all(o.failures == {} for o in outs) and len(samples) == len(TRACES) == 4
     for trace in TRACES:  # each transcript's reply is the tokens one sample trained on, its reward that sample's
-        [s] = [s for s in samples if turns(tok, s) == [trace.last_reply]]
+        [s] = [s for s in samples if [t.strip() for t in turns(tok, s)] == [trace.last_reply]]  # (verifiers strips)
         assert s.reward == trace.reward == run(rescore("vf_qa", cfg.env.args, trace))
         assert s.info["vf/has_digit"] == trace.rewards["has_digit"].score
     # the rubric is the library's: a correct reply scores 1.5 (exact 1 + has_digit 0.5) when re-scored
