@@ -1954,6 +1954,15 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
     return (kept.rstrip() if calls else text), calls
 
 
+def plain(message: dict) -> dict:
+    """A message as history compares it: content of text parts alone is the string the parts join to (Claude Code
+    resends a text-block prompt as a string), so an equal text extends the segment (the renders still must agree)."""
+    content = message.get("content")
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return {**message, "content": "\n".join(str(p.get("text", "")) for p in content)}
+    return message
+
+
 def canonical(message: dict) -> tuple:
     """What an assistant message says, as (text, ((tool name, arguments), ...), reasoning): equal for a reply and the
     same reply sent back by an SDK, whatever its wire or its JSON spacing; different after any edit."""
@@ -2179,6 +2188,7 @@ class Turn:
     template: dict = field(default_factory=dict)  # chat-template variables (chat_template_kwargs, thinking)
     retry: bool = False  # the SDK marked it as a retry of the request it sent last: answer from the cache
     echo: dict = field(default_factory=dict)  # Responses: its id, the fields its reply repeats, what state keeps
+    tools_dropped: int = 0  # hosted tools offered that nothing here runs (never shown to the model)
 
     @property
     def shown_tools(self) -> list | None:
@@ -2412,11 +2422,27 @@ def _anthropic_block(block, where: str) -> dict:
     return {"type": "text", "text": _string(block.get("text"), f"{where}.text", optional=False)}
 
 
+BILLING = "x-anthropic-billing-header"  # Claude Code's first system block: a per-request hash, not the model's input
+
+
+def _anthropic_system(system, where: str) -> str:
+    """A system prompt (a string or text blocks) as one string, Claude Code's billing block left out (as vLLM does:
+    it changes with every request, so no turn would extend the last)."""
+    _require(isinstance(system, (str, list)), f"'{where}' must be a string or a list of text blocks")
+    blocks = [system] if isinstance(system, str) else [_anthropic_block(b, f"{where}[{j}]").get("text", "")
+                                                       for j, b in enumerate(system)]
+    return "".join(b for b in blocks if not b.startswith(BILLING))
+
+
 def _anthropic_message(m, i: int) -> list[dict]:
-    """One Anthropic message -> OpenAI messages: tool_use blocks become tool_calls, tool_result blocks tool messages."""
-    _require(isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"] in ("user", "assistant"),
-             f"messages[{i}] needs a role in ['assistant', 'user']")
+    """One Anthropic message -> OpenAI messages: tool_use blocks become tool_calls, tool_result blocks tool messages;
+    a system message (Claude Code's environment block) stays where it is, unless it holds nothing."""
+    _require(isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"] in ("user", "assistant", "system"),
+             f"messages[{i}] needs a role in ['assistant', 'system', 'user']")
     content = m.get("content")
+    if m["role"] == "system":
+        text = _anthropic_system(content, f"messages[{i}].content")
+        return [{"role": "system", "content": text}] if text else []
     if isinstance(content, str):
         return [{"role": m["role"], "content": content}]
     _require(isinstance(content, list), f"messages[{i}].content must be a string or a list of blocks")
@@ -2470,20 +2496,21 @@ def decode_anthropic(body: dict) -> Turn:
     sampling are ignored; thinking reaches the template as enable_thinking, disabled also as reasoning_effort low)."""
     _require(isinstance(body.get("messages"), list) and body["messages"], "'messages' must be a non-empty list")
     _require(_number(body, "max_tokens", 1, 1 << 30, True) is not None, "'max_tokens' is required")
-    system = body.get("system")
-    _require(system is None or isinstance(system, (str, list)), "'system' must be a string or a list of text blocks")
-    if isinstance(system, list):
-        system = "".join(_anthropic_block(b, f"system[{j}]").get("text", "") for j, b in enumerate(system))
+    system = _anthropic_system(body["system"], "system") if body.get("system") is not None else ""
     msgs = ([{"role": "system", "content": system}] if system else []) + \
         [x for i, m in enumerate(body["messages"]) for x in _anthropic_message(m, i)]
     tools = _anthropic_tools(body.get("tools"))
-    thinking = _object(body.get("thinking"), "thinking")
-    _require(not thinking or thinking.get("type") in ("enabled", "disabled"),
-             "'thinking.type' must be enabled or disabled")
+    thinking, effort = _object(body.get("thinking"), "thinking"), _object(body.get("output_config"), "output_config")
+    _require(not thinking or thinking.get("type") in ("enabled", "disabled", "adaptive"),
+             "'thinking.type' must be enabled, disabled or adaptive")
+    # as vLLM maps them: enabled and disabled set enable_thinking (disabled: gpt-oss's least effort too), adaptive
+    # (its display too) pins nothing, output_config.effort is the template's reasoning_effort
+    template = {"enable_thinking": thinking["type"] == "enabled"} if thinking.get("type") in ("enabled", "disabled") \
+        else {}
+    template |= {"reasoning_effort": "low"} if thinking.get("type") == "disabled" else {}
+    template |= {"reasoning_effort": effort["effort"]} if isinstance(effort.get("effort"), str) else {}
     return Turn(messages=msgs, tools=tools, stream=bool(body.get("stream")), usage_in_stream=True,
-                tool_choice=_anthropic_tool_choice(body.get("tool_choice"), tools),
-                template=({"enable_thinking": thinking["type"] == "enabled"} |  # disabled: gpt-oss's least, as vLLM
-                          ({"reasoning_effort": "low"} if thinking["type"] == "disabled" else {})) if thinking else {},
+                tool_choice=_anthropic_tool_choice(body.get("tool_choice"), tools), template=template,
                 sampling={**sampling_fields(body, ANTHROPIC_SAMPLING),
                           "stop": _stops(body.get("stop_sequences"), "stop_sequences", one=False)})
 
@@ -2548,8 +2575,10 @@ def response_messages(items, where: str = "input") -> list[dict]:
             m["reasoning"] = "\n".join(p["text"] for p in parts)
         elif kind == "function_call":
             _string(item.get("call_id"), f"{at}.call_id", optional=False)
+            space = f"{item['namespace']}{NAMESPACE_SEP}" if isinstance(item.get("namespace"), str) else ""
             m.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": {
-                "name": item.get("name"), "arguments": item.get("arguments")}})
+                "name": space + item["name"] if isinstance(item.get("name"), str) else None,
+                "arguments": item.get("arguments")}})
         elif kind == "function_call_output":
             output = item.get("output")
             _require(isinstance(output, (str, list)), f"'{at}.output' must be a string or a list of parts")
@@ -2563,17 +2592,54 @@ def response_messages(items, where: str = "input") -> list[dict]:
     return out
 
 
+# Tools the Responses API runs itself (a search, a sandboxed interpreter, a remote MCP server): a client may offer
+# them (Codex CLI sends web_search), but here nothing runs them, so they are accepted, never shown to the model, and
+# counted (server/tools_dropped). Tools the client runs in another shape than a function call (custom, shell,
+# apply_patch, computer) are refused, naming the type.
+HOSTED_TOOLS = ("web_search", "file_search", "code_interpreter", "image_generation", "mcp", "tool_search")
+NAMESPACE_SEP = "__"  # a namespace's function is shown to the model as NAMESPACE__NAME, and returned as both
+
+
+def responses_tools(tools) -> tuple[list, dict, int]:
+    """Responses tools -> (chat function tools, {shown name: (namespace, name)}, hosted tools dropped)."""
+    _require(tools is None or isinstance(tools, list), "'tools' must be a list")
+    out, spaces, dropped = [], {}, 0
+    for j, t in enumerate(tools or []):
+        kind = t.get("type") if isinstance(t, dict) else None
+        inner = t.get("tools") if kind == "namespace" else [t]
+        _require(kind in ("function", "namespace") or str(kind).startswith(HOSTED_TOOLS), f"'tools[{j}]': "
+                 f"{kind!r} tools are not served (function, namespace and hosted tools are; offer this one to the "
+                 "client as a function tool)")
+        _require(kind != "namespace" or isinstance(inner, list) and isinstance(t.get("name"), str) and t["name"],
+                 f"'tools[{j}]' must be a namespace with a name and a list of tools")
+        dropped += kind not in ("function", "namespace")
+        for k, fn in enumerate(inner if kind in ("function", "namespace") else []):
+            _require(isinstance(fn, dict) and fn.get("type") == "function", f"'tools[{j}].tools[{k}]' must be a "
+                     "function tool")
+            name = fn.get("name")
+            if kind == "namespace" and isinstance(name, str):
+                spaces[t["name"] + NAMESPACE_SEP + name] = (t["name"], name)
+                name = t["name"] + NAMESPACE_SEP + name
+            out.append({"type": "function", "function": {k: v for k, v in {**fn, "name": name}.items()
+                                                         if k in ("name", "description", "parameters")}})
+    return out, spaces, dropped
+
+
+def namespaced(call: dict, spaces: dict) -> dict:
+    """A call as the Responses wire returns it: a namespace's function under its own name, with its namespace."""
+    space, name = spaces.get(call["name"], (None, call["name"]))
+    return {**call, "name": name, **({"namespace": space} if space else {})}
+
+
 def responses_as_chat(body: dict) -> dict:
     """A Responses body -> the chat-completions body it means (its input's messages after instructions)."""
     _require(not body.get("background"), "'background' responses are not supported")
-    tools = body.get("tools")
-    _require(tools is None or isinstance(tools, list), "'tools' must be a list")
-    for j, t in enumerate(tools or []):
-        _require(isinstance(t, dict) and t.get("type") == "function", f"'tools[{j}]': only function tools are served")
+    tools, spaces, dropped = responses_tools(body.get("tools"))
     choice = body.get("tool_choice")
     if isinstance(choice, dict):
         _require(choice.get("type") == "function", "'tool_choice' must be auto, none, required or a function")
-        choice = {"type": "function", "function": {"name": choice.get("name")}}
+        space = f"{choice['namespace']}{NAMESPACE_SEP}" if isinstance(choice.get("namespace"), str) else ""
+        choice = {"type": "function", "function": {"name": space + str(choice.get("name"))}}
     fmt = _object(_object(body.get("text"), "text").get("format"), "text.format")
     if fmt.get("type") == "json_schema":
         fmt = {"type": "json_schema", "json_schema": {"schema": fmt.get("schema")}}
@@ -2583,8 +2649,7 @@ def responses_as_chat(body: dict) -> dict:
     instructions = _string(body.get("instructions"), "instructions")
     return {"messages": [{"role": "system", "content": instructions}] if instructions else [],
             "stream": body.get("stream"), "tool_choice": choice, "response_format": fmt or None,
-            "tools": [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
-                                                        if k in t}} for t in tools or []] or None,
+            "tools": tools or None, "namespaces": spaces, "tools_dropped": dropped,
             "reasoning_effort": _object(body.get("reasoning"), "reasoning").get("effort"),
             "logprobs": logprobs or None, "top_logprobs": body.get("top_logprobs") if logprobs else None,
             **{k: body[k] for k in ("max_output_tokens", "temperature", "top_p") if body.get(k) is not None}}
@@ -2601,9 +2666,11 @@ def decode_responses(body: dict) -> Turn:
     chat["messages"] += history
     chat["max_tokens"] = _number(chat, "max_output_tokens", 1, 1 << 30, True)
     turn = decode_openai({k: v for k, v in chat.items() if k != "max_output_tokens"})
+    turn.tools_dropped = chat["tools_dropped"]
     items = body["input"] if isinstance(body["input"], list) else [{"type": "message", "role": "user", "content": [
         {"type": "input_text", "text": body["input"]}]}]
     turn.echo = {"id": "resp_" + uuid.uuid4().hex, "history": history, "created_at": int(time.time()),
+                 "namespaces": chat["namespaces"],
                  "previous_response_id": _string(body.get("previous_response_id"), "previous_response_id"),
                  "store": body.get("store") is not False, "model": body.get("model"),
                  "input": [{"id": f"item_{uuid.uuid4().hex[:24]}", "type": "message", **x} for x in items],
@@ -2623,7 +2690,8 @@ class Session:
     last_tools: Any = None
     choices: list = field(default_factory=list)  # [(Reply, the Sample it extended)] of the last turn
     template: dict = field(default_factory=dict)  # the last turn's chat-template variables
-    errors: dict = field(default_factory=lambda: {"server/4xx": 0, "server/5xx": 0})  # answers refused or failed
+    errors: dict = field(default_factory=lambda: {"server/4xx": 0, "server/5xx": 0, "server/tools_dropped": 0})
+    # (answers refused or failed; hosted tools offered, summed over requests, that the model was never shown)
     responses: dict = field(default_factory=dict)  # Responses kept (store), RESPONSES_KEPT at most: id -> (Turn,
     # Reply, its segment, the segment's length at its end)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -2774,6 +2842,7 @@ class LoopbackServer:
         try:
             body = await self.read_json(request)
             turn = wire.decode(body)
+            s.errors["server/tools_dropped"] += turn.tools_dropped
             turn.retry = request.headers.get("x-stainless-retry-count", "0") not in ("", "0")
             self.check_sampling(s, turn)
             model = body.get("model") or self.model_name
@@ -2870,7 +2939,9 @@ class LoopbackServer:
         _require(len(context) < self.cfg.data.max_len, f"context of {len(context)} tokens reaches the model "
                  f"length {self.cfg.data.max_len}")
         sampling = {**s.ep.sampling, **{k: v for k, v in turn.sampling.items() if v is not None},
-                    "n": turn.n, "logprobs": turn.top_logprobs or 0}
+                    "n": turn.n, "logprobs": turn.top_logprobs or 0,  # the run's max_tokens is a cap: a client
+                    "max_tokens": min(filter(None, (turn.sampling.get("max_tokens"),  # asking more is cut there
+                                                    s.ep.sampling.get("max_tokens"))), default=None)}
         if forced := self.parser.forced(turn):  # (it overrides the episode's own defaults, not the request's)
             _require(not turn.sampling.get("structured_outputs"), "'tool_choice' and 'response_format' cannot be "
                      "combined")
@@ -2888,7 +2959,9 @@ class LoopbackServer:
             prev, reply, seg, end = s.responses[rid]
             last, choices = prev.messages, [(reply, seg)] if len(seg.tokens) == end else []  # (a branch: new)
         full, n = self.codec.render(msgs, tools, **turn.template), len(last or [])
-        if len(msgs) <= n + 1 or msgs[:n] != last or msgs[n]["role"] != "assistant":
+        render = functools.partial(self.codec.render, tools=tools, **turn.template)
+        if len(msgs) <= n + 1 or msgs[n]["role"] != "assistant" or msgs[:n] != last and (last is None or  # (or
+                list(map(plain, msgs[:n])) != list(map(plain, last)) or render(msgs[:n]) != render(last)):  # alike)
             return full, images, None
         seg = next((seg for reply, seg in choices if canonical(msgs[n]) == canonical(reply_message(reply))), None)
         prefix, new = self.codec.render(msgs[:n + 1], tools, generation=False, **turn.template), None
@@ -3177,13 +3250,14 @@ def response_item(kind: str, rid: str, index: int, text: str = "", call: dict | 
         return {"id": ident, "type": "message", "role": "assistant", "status": status, "content": [
             {"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if done else []}
     return {"id": ident, "type": "function_call", "call_id": call["id"], "name": call["name"], "status": status,
-            "arguments": call["arguments"] if done else ""}
+            "arguments": call["arguments"] if done else "", **{k: call[k] for k in ("namespace",) if k in call}}
 
 
-def response_output(r: Reply, rid: str) -> list[dict]:
-    """A reply's output items: its reasoning, its text (an empty one when there is nothing else), its calls."""
+def response_output(r: Reply, rid: str, spaces: dict | None = None) -> list[dict]:
+    """A reply's output items: its reasoning, its text (an empty one when there is nothing else), its calls (with
+    their namespaces: spaces as responses_tools gives them)."""
     kinds = [("reasoning", r.reasoning, None)] * bool(r.reasoning) + [("message", r.text, None)] * bool(
-        r.text or not (r.calls or r.reasoning)) + [("function_call", "", c) for c in r.calls]
+        r.text or not (r.calls or r.reasoning)) + [("function_call", "", namespaced(c, spaces or {})) for c in r.calls]
     items = [response_item(kind, rid, i, text, call) for i, (kind, text, call) in enumerate(kinds)]
     items[-1]["status"] = "incomplete" if r.finish == "length" else "completed"  # the item max_output_tokens cut
     for item in items:
@@ -3210,7 +3284,8 @@ def response_body(echo: dict, model: str, output: list, r: Reply | None = None) 
 
 
 def responses_reply(replies: list[Reply], model: str, turn: Turn) -> dict:
-    return response_body(turn.echo, model, response_output(replies[0], turn.echo["id"]), replies[0])
+    return response_body(turn.echo, model, response_output(replies[0], turn.echo["id"], turn.echo["namespaces"]),
+                         replies[0])
 
 
 class ResponsesEvents:
@@ -3251,7 +3326,7 @@ class ResponsesEvents:
         return response_item(kind, self.echo["id"], index, text, call, done)
 
     def start(self, kind: str, call: dict | None = None):
-        self.items.append([kind, "", call])
+        self.items.append([kind, "", call and namespaced(call, self.echo["namespaces"])])
         index = len(self.items) - 1
         out = [self.event("response.output_item.added", output_index=index, item=self.item(index, False))]
         if call is None:
@@ -6182,7 +6257,7 @@ def logged_errors(logs: Path, head: str) -> list[tuple[Path, str]]:
 # ======================================================================================================
 
 
-TINY_VERSION = 2
+TINY_VERSION = 3  # 3: the family models take 64k positions (the agent CLIs' prompts are 10-30k tokens)
 
 
 # ChatML with Hermes-style tools, Qwen-VL image placeholders and Qwen3's thinking switch (enable_thinking=False
@@ -6435,7 +6510,7 @@ def _tiny_family(family: str):
         extra["eos_token_id"] = tok.convert_tokens_to_ids(extra["eos_token_id"])
     cfg = body(**{"vocab_size": -(-len(tok) // 64) * 64, "hidden_size": 64, "intermediate_size": 128,
                   "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-                  "max_position_embeddings": 4096, "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
+                  "max_position_embeddings": 65536, "eos_token_id": tok.eos_token_id, "bos_token_id": tok.bos_token_id,
                   "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
                   "tie_word_embeddings": True, **extra})
     return AutoModelForCausalLM.from_config(cfg), tok

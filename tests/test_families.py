@@ -605,8 +605,11 @@ def test_a_tool_agent_trains_then_syncs_on_each_family(family, ray_cluster, tmp_
     assert len(episodes) == 8 and all(i["server/5xx"] == 0 and i["tools/forced_parsed"] == 1.0
                                       for i in episodes.values())
     trained = [s for o in outs for s in o.samples if any(s.mask)]
-    won = {r: float(i % 2) for i, r in enumerate(sorted({s.rollout_id for s in trained}))}
-    for s in trained:  # rewards that differ within each group, so the step moves the weights (a random model scores 0)
+    # rewards that differ within each group, so the step moves the weights (a random model scores 0); alternated
+    # per group, as ids sorted across groups can give one group all 0 and the other all 1 (no advantage: no step)
+    won = {r: float(i % 2) for o in outs
+           for i, r in enumerate(sorted({s.rollout_id for s in o.samples if any(s.mask)}))}
+    for s in trained:
         s.reward = won[s.rollout_id]
     version = run(engine.stats.remote())["version"]
     group = molt.ModelGroup(cfg, path, "policy", total_steps=10)

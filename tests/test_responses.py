@@ -120,6 +120,46 @@ def test_a_forced_call_its_output_and_a_replayed_input_extend_the_segment(engine
     assert json.loads(schema.output_text)["city"] in ("Paris", "Rome")
 
 
+def test_namespace_tools_are_shown_under_their_namespace_and_hosted_tools_are_dropped_and_counted(engine, tiny):
+    """Codex CLI's tools: a namespace's functions are shown to the model as NAMESPACE__NAME (two namespaces with a
+    function of the same name, and a flat one of that name, stay three tools); a call forced by namespace and name
+    comes back with both, streamed or not; replayed as input (namespace and all) it extends its segment. web_search
+    (a tool the API runs itself) is never shown and each request offering it counts one; a tool the client would run
+    in another shape than a function call is refused, naming its type."""
+    def space(name):
+        return {"type": "namespace", "name": name, "description": f"{name} tools", "tools": [FLAT]}
+    tools = [space("crm"), space("mail"), FLAT, {"type": "web_search", "external_web_access": False}]
+    forced = {"type": "function", "name": "get_weather", "namespace": "mail"}
+
+    async def main():
+        async with Server(engine, tiny, {"temperature": 1.0, "max_tokens": 120}) as srv:
+            c = srv.openai()
+            async with c.responses.stream(model="m", input="Weather?", tools=tools, tool_choice=forced,
+                                          store=False) as events:
+                streamed = await events.get_final_response()
+            r = await c.responses.create(model="m", input="Weather?", tools=tools, tool_choice=forced, store=False)
+            call = next(o for o in r.output if o.type == "function_call")
+            result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+            replayed = [{"role": "user", "content": "Weather?"}, *[o.model_dump(exclude_none=True) for o in r.output],
+                        result]
+            await c.responses.create(model="m", input=replayed, tools=tools, max_output_tokens=4, store=False)
+            refused = await srv.post("/v1/responses", {"model": "m", "input": "hi", "tools": [
+                FLAT, {"type": "custom", "name": "apply_patch"}]})
+            return r, streamed, srv.session, srv.pool.router.prompts, refused
+    r, streamed, session, prompts, (status, refused) = run(main())
+    for response in (r, streamed):
+        [call] = [o for o in response.output if o.type == "function_call"]
+        assert (call.name, call.namespace) == ("get_weather", "mail") and json.loads(call.arguments)["city"]
+    shown = molt.Codec(tiny).tokenizer.decode(prompts[0])
+    assert all(f'"name": "{n}"' in shown for n in ("crm__get_weather", "mail__get_weather", "get_weather"))
+    assert "web_search" not in shown and session.errors["server/tools_dropped"] == 3
+    # (prompts: the unstreamed requests') the replay extends the call's segment; the stream's is the other one
+    assert len(session.segments) == 2 and prompts[1][:len(prompts[0])] == prompts[0]
+    assert "sunny" in molt.Codec(tiny).tokenizer.decode(prompts[1][len(prompts[0]):])
+    assert status == 400 and "'custom' tools are not served" in refused["error"]["message"]
+    assert session.errors["server/4xx"] == 1  # that refusal alone
+
+
 def test_the_second_case_of_a_chain_instructions_items_storage_and_tools(engine, tiny):
     """The cases beside the usual chain. Instructions changed mid-chain: the new ones reach the engine and the old
     do not (OpenAI's semantics: a response's instructions are not carried over), so the chain cannot extend its
@@ -199,7 +239,9 @@ def test_a_sessions_stored_responses_and_segments_are_bounded(engine, tiny, monk
 
 @pytest.mark.parametrize("body, fragment", [
     ({"input": [{"type": "item_reference", "id": "x"}]}, "item_reference"),
-    ({"input": "hi", "tools": [{"type": "web_search"}]}, "only function tools"),
+    ({"input": "hi", "tools": [{"type": "computer_use_preview"}]}, "'computer_use_preview' tools are not served"),
+    ({"input": "hi", "tools": [{"type": "namespace", "name": "n", "tools": [{"type": "web_search"}]}]},
+     "must be a function tool"),
     ({"input": []}, "non-empty list"),
     ({"input": "hi", "background": True}, "background"),
     ({"input": [{"type": "reasoning", "encrypted_content": "zz"}]}, "encrypted"),

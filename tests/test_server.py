@@ -211,6 +211,56 @@ def test_response_format_and_template_switches_reach_the_engine(engine, tiny):
     assert all(tok.decode(p).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") for p in prompts)
 
 
+def test_the_runs_max_tokens_caps_what_a_client_asks_and_a_smaller_ask_is_honoured(engine, tiny):
+    """opencode asks max_tokens 32000, Claude Code 128000 (streamed; the SDK sends 20000 unstreamed): the run's cap (the episode's max_tokens, 8 here) cuts
+    every reply, finish length as the wire says of a cut reply; a smaller ask stays the ask (4 choices: one random
+    reply may stop early, not all of them)."""
+    async def main():
+        async with Server(engine, tiny) as srv:
+            c = srv.openai()
+            big = await c.chat.completions.create(model="m", messages=HELLO, n=4, max_tokens=32000)
+            small = await c.chat.completions.create(model="m", messages=HELLO, n=4, max_completion_tokens=3)
+            claude = await srv.anthropic().messages.create(model="m", max_tokens=20000, messages=HELLO)
+            return big, small, claude
+    big, small, claude = run(main())
+    assert max(c.usage.completion_tokens for c in [big]) <= 4 * 8 and big.usage.completion_tokens > 4 * 3
+    assert "length" in {c.finish_reason for c in big.choices} and small.usage.completion_tokens <= 4 * 3
+    assert claude.usage.output_tokens <= 8 and (claude.stop_reason == "max_tokens") == (claude.usage.output_tokens == 8)
+
+
+def test_claude_codes_system_blocks_thinking_and_effort_are_read_as_vllm_reads_them(engine, tiny):
+    """What Claude Code sends: a system message inside messages (shown where it is: after the user's turn), a
+    billing block in system whose hash changes per request (left out: the next turn still extends the segment),
+    thinking adaptive with display (pins nothing), output_config.effort (the template's reasoning_effort: the tiny
+    template reads none, so enable_thinking decides). The second turn resends the user's text blocks as a string:
+    equal text, one segment. thinking of another type is refused, naming the three."""
+    def body(billing, user, *more):
+        return {"model": "m", "max_tokens": 20000, "thinking": {"type": "adaptive", "display": "omitted"},
+                "output_config": {"effort": "medium"}, "context_management": {"edits": []},
+                "system": [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=1.{billing};"},
+                           {"type": "text", "text": "You are terse."}],
+                "messages": [{"role": "user", "content": user},
+                             {"role": "system", "content": [{"type": "text", "text": "ENV: /work"}]}, *more]}
+
+    async def main():
+        async with Server(engine, tiny) as srv:
+            # (raw posts: the SDK's stable create() types neither context_management nor output_config)
+            first = await srv.post("/v1/messages", body("8ff", [{"type": "text", "text": "hi"}]))
+            again = body("3a1", "hi", {"role": "assistant", "content": first[1]["content"][0]["text"]},
+                         {"role": "user", "content": "more"})
+            second = await srv.post("/v1/messages", again)
+            odd = await srv.post("/v1/messages", {**body("0", "hi"), "thinking": {"type": "sometimes"}})
+            return first, second, odd, srv.session, srv.pool.router.prompts
+    first, second, (status, odd), session, prompts = run(main())
+    assert first[0] == second[0] == 200
+    tok = tokenizer(tiny)
+    shown = tok.decode(prompts[0])
+    assert "billing" not in shown and shown.index("You are terse.") < shown.index("hi") < shown.index("ENV: /work")
+    assert len(session.segments) == 1 and prompts[1][:len(prompts[0])] == prompts[0]  # the second turn extends
+    assert tok.decode(prompts[1][len(prompts[0]):]).count("more") == 1
+    assert status == 400 and "enabled, disabled or adaptive" in odd["error"]["message"]
+
+
 @functools.lru_cache(maxsize=2)  # the family tests ask a model many times in a row
 def hf_policy(path):
     import torch

@@ -1,0 +1,117 @@
+"""The stock agent CLIs (section 7's wires, as real clients speak them): Codex CLI (Responses, streamed) and Claude
+Code (Messages, streamed), installed from the npm registry by scripts/setup.sh, each run once at its defaults against
+a session of the loopback server on tiny:qwen3 (a real tokenizer and template; their prompts are 8-12k tokens). Every
+field each sends is in a conformance list with Molt's handling; every request is answered 2xx; the run's max_tokens
+caps what each asks; what the model saw is checked in the recorded tokens."""
+import asyncio
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import molt
+from conftest import run
+from test_server import Server
+
+pytestmark = pytest.mark.slow
+BIN = Path(__file__).resolve().parent.parent / ".venv" / "clis" / "node_modules" / ".bin"
+CAP = 16  # the run's max_tokens
+LONG = {"data.max_len": 40960}
+
+# Every field the CLI sends, with what Molt does with it (the test fails on a field not listed here).
+CODEX = {  # @openai/codex 0.171.0, POST /v1/responses
+    "model": "ignored: the policy answers",
+    "stream": "served: the Responses event stream",
+    "input": "messages; developer messages are system messages",
+    "tools": "function tools shown; a namespace's functions shown as NAMESPACE__NAME, their calls returned with "
+             "namespace; web_search dropped (nothing here searches) and counted in server/tools_dropped",
+    "tool_choice": "served",
+    "parallel_tool_calls": "echoed",
+    "reasoning": "effort: the template's reasoning_effort; summary ignored (reasoning is returned as text)",
+    "store": "served (false: nothing kept; Codex resends the conversation)",
+    "include": "reasoning.encrypted_content ignored: reasoning is returned as text; output_text logprobs served",
+    "prompt_cache_key": "ignored", "client_metadata": "ignored",
+}
+CLAUDE = {  # @anthropic-ai/claude-code 2.1.332, POST /v1/messages?beta=true
+    "model": "ignored: the policy answers",
+    "stream": "served: the Messages event stream",
+    "messages": "served; a system message stays where it is sent (Claude Code's environment block)",
+    "system": "served; the x-anthropic-billing-header block (a per-request hash) left out, as vLLM does",
+    "tools": "served (defer_loading ignored: every tool is shown)",
+    "metadata": "ignored",
+    "max_tokens": "capped at the run's --rollout.max-new-tokens (Claude Code asks 128000)",
+    "thinking": "adaptive (its display too) pins nothing, as vLLM maps it; enabled / disabled set enable_thinking",
+    "context_management": "ignored: the recorded turns keep their thinking as sampled",
+    "output_config": "effort: the template's reasoning_effort, as vLLM maps it",
+}
+CLIS = {"codex": ("codex-cli 0.171.0", CODEX), "claude": ("2.1.332 (Claude Code)", CLAUDE)}
+
+
+def command(cli: str, ctx, home: Path) -> tuple[list, dict]:
+    """The CLI's one-shot command and environment pointed at the session (a fresh HOME: no user config)."""
+    if cli == "codex":
+        (home / "config.toml").write_text(
+            f'model = "tiny"\nmodel_provider = "molt"\n[model_providers.molt]\nname = "molt"\n'
+            f'base_url = "{ctx.base_url}"\nenv_key = "MOLT_KEY"\nwire_api = "responses"\n')
+        return [str(BIN / "codex"), "exec", "--skip-git-repo-check", "write hello.txt"], {
+            "CODEX_HOME": str(home), "MOLT_KEY": ctx.api_key}
+    return [str(BIN / "claude"), "-p", "write hello.txt"], {"ANTHROPIC_BASE_URL": ctx.session_url,
+                                                           "ANTHROPIC_API_KEY": ctx.api_key}
+
+
+@pytest.fixture(scope="module")
+def qwen3(engines):
+    path = molt.resolve_model("tiny:qwen3")
+    return path, engines.get(path, **LONG)
+
+
+def drive(qwen3, cli: str, tmp_path, monkeypatch):
+    """Run the CLI once against a fresh session -> (exit status, request bodies, the session, its prompt texts)."""
+    assert (BIN / cli).exists(), f"{BIN / cli} is missing: run bash scripts/setup.sh (it installs the pinned CLIs)"
+    path, engine = qwen3
+    bodies, read = [], molt.LoopbackServer.read_json
+
+    async def spy(self, request):  # the bodies as the server read them (the server itself runs unchanged)
+        bodies.append(await read(self, request))
+        return bodies[-1]
+    monkeypatch.setattr(molt.LoopbackServer, "read_json", spy)
+
+    async def main():
+        async with Server(engine, path, sampling={"temperature": 1.0, "max_tokens": CAP}, **LONG) as srv:
+            home, work = tmp_path / "home", tmp_path / "work"
+            home.mkdir(), work.mkdir()
+            cmd, env = command(cli, srv.ctx, home)
+            proc = await asyncio.create_subprocess_exec(
+                *cmd, cwd=work, env={"PATH": os.environ["PATH"], "HOME": str(home), **env},
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 600)
+            return proc.returncode, out.decode() + err.decode(), srv.session
+    code, output, session = run(main())
+    tok = molt.Codec(path).tokenizer
+    prompts = [tok.decode(s.tokens[:s.mask.index(1) if 1 in s.mask else None]) for s in session.segments]
+    return code, output, bodies, session, prompts
+
+
+@pytest.mark.parametrize("cli", ["codex", "claude"])
+def test_a_stock_cli_at_its_defaults_gets_every_request_answered_and_its_max_tokens_capped(qwen3, cli, tmp_path,
+                                                                                          monkeypatch):
+    version, fields = CLIS[cli]
+    code, output, bodies, session, prompts = drive(qwen3, cli, tmp_path, monkeypatch)
+    assert bodies and session.errors["server/4xx"] == session.errors["server/5xx"] == 0, output[-3000:]
+    assert {k for b in bodies for k in b} <= set(fields), {k for b in bodies for k in b} - set(fields)
+    assert session.segments and all(sum(s.mask) <= CAP for s in session.segments)
+    assert max(sum(s.mask) for s in session.segments) == CAP  # each reply cut at the run's cap, whatever was asked
+    if cli == "claude":
+        assert all(b["max_tokens"] > CAP for b in bodies)
+        assert all(any(m["role"] == "system" for m in b["messages"]) for b in bodies)  # inline system messages
+        assert all("# Environment" in p and "x-anthropic-billing-header" not in p for p in prompts)
+        # the environment block is a system turn where Claude Code put it: after the user's request
+        assert all(p.index("write hello.txt") < p.index("<|im_start|>system\n# Environment") for p in prompts)
+    else:  # every request offered web_search (dropped, counted) and a namespace (shown under it)
+        assert all({t["type"] for t in b["tools"]} == {"function", "namespace", "web_search"} for b in bodies)
+        assert session.errors["server/tools_dropped"] == len(bodies)
+        assert all('"name": "multi_agent_v1__close_agent"' in p and '"web_search"' not in p for p in prompts)
+    reported = subprocess.run([str(BIN / cli), "--version"], capture_output=True, text=True, timeout=60).stdout
+    assert re.search(re.escape(version), reported), reported  # the pinned release (README, setup.sh)
