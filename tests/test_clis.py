@@ -1,9 +1,10 @@
-"""The stock agent CLIs (section 7's wires, as real clients speak them): Codex CLI (Responses, streamed) and Claude
-Code (Messages, streamed), installed from the npm registry by scripts/setup.sh, each run once at its defaults against
+"""The stock agent CLIs (section 7's wires, as real clients speak them): Codex CLI (Responses, streamed), Claude
+Code (Messages, streamed) and opencode (chat completions, streamed), installed from the npm registry by scripts/setup.sh, each run once at its defaults against
 a session of the loopback server on tiny:qwen3 (a real tokenizer and template; their prompts are 8-12k tokens). Every
 field each sends is in a conformance list with Molt's handling; every request is answered 2xx; the run's max_tokens
 caps what each asks; what the model saw is checked in the recorded tokens."""
 import asyncio
+import json
 import os
 import re
 import subprocess
@@ -46,7 +47,16 @@ CLAUDE = {  # @anthropic-ai/claude-code 2.1.332, POST /v1/messages?beta=true
     "context_management": "ignored: the recorded turns keep their thinking as sampled",
     "output_config": "effort: the template's reasoning_effort, as vLLM maps it",
 }
-CLIS = {"codex": ("codex-cli 0.171.0", CODEX), "claude": ("2.1.332 (Claude Code)", CLAUDE)}
+OPENCODE = {  # opencode-ai 1.18.33, POST /v1/chat/completions (a title request without tools, then the task)
+    "model": "ignored: the policy answers",
+    "max_tokens": "capped at the run's --rollout.max-new-tokens (opencode asks 32000)",
+    "messages": "served",
+    "tools": "served", "tool_choice": "served",
+    "stream": "served: chat completion chunks",
+    "stream_options": "include_usage served: a last chunk with the usage",
+}
+CLIS = {"codex": ("codex-cli 0.171.0", CODEX), "claude": ("2.1.332 (Claude Code)", CLAUDE),
+        "opencode": ("1.18.33", OPENCODE)}
 
 
 def command(cli: str, ctx, home: Path) -> tuple[list, dict]:
@@ -57,6 +67,11 @@ def command(cli: str, ctx, home: Path) -> tuple[list, dict]:
             f'base_url = "{ctx.base_url}"\nenv_key = "MOLT_KEY"\nwire_api = "responses"\n')
         return [str(BIN / "codex"), "exec", "--skip-git-repo-check", "write hello.txt"], {
             "CODEX_HOME": str(home), "MOLT_KEY": ctx.api_key}
+    if cli == "opencode":
+        (home / "opencode.json").write_text(json.dumps({"provider": {"molt": {
+            "npm": "@ai-sdk/openai-compatible", "name": "molt", "models": {"tiny": {"name": "tiny"}},
+            "options": {"baseURL": ctx.base_url, "apiKey": ctx.api_key}}}, "model": "molt/tiny"}))
+        return [str(BIN / "opencode"), "run", "write hello.txt"], {"OPENCODE_CONFIG": str(home / "opencode.json")}
     return [str(BIN / "claude"), "-p", "write hello.txt"], {"ANTHROPIC_BASE_URL": ctx.session_url,
                                                            "ANTHROPIC_API_KEY": ctx.api_key}
 
@@ -94,7 +109,7 @@ def drive(qwen3, cli: str, tmp_path, monkeypatch):
     return code, output, bodies, session, prompts
 
 
-@pytest.mark.parametrize("cli", ["codex", "claude"])
+@pytest.mark.parametrize("cli", ["codex", "claude", "opencode"])
 def test_a_stock_cli_at_its_defaults_gets_every_request_answered_and_its_max_tokens_capped(qwen3, cli, tmp_path,
                                                                                           monkeypatch):
     version, fields = CLIS[cli]
@@ -103,13 +118,14 @@ def test_a_stock_cli_at_its_defaults_gets_every_request_answered_and_its_max_tok
     assert {k for b in bodies for k in b} <= set(fields), {k for b in bodies for k in b} - set(fields)
     assert session.segments and all(sum(s.mask) <= CAP for s in session.segments)
     assert max(sum(s.mask) for s in session.segments) == CAP  # each reply cut at the run's cap, whatever was asked
-    if cli == "claude":
+    if cli in ("claude", "opencode"):
         assert all(b["max_tokens"] > CAP for b in bodies)
+    if cli == "claude":
         assert all(any(m["role"] == "system" for m in b["messages"]) for b in bodies)  # inline system messages
         assert all("# Environment" in p and "x-anthropic-billing-header" not in p for p in prompts)
         # the environment block is a system turn where Claude Code put it: after the user's request
         assert all(p.index("write hello.txt") < p.index("<|im_start|>system\n# Environment") for p in prompts)
-    else:  # every request offered web_search (dropped, counted) and a namespace (shown under it)
+    elif cli == "codex":  # every request offered web_search (dropped, counted) and a namespace (shown under it)
         assert all({t["type"] for t in b["tools"]} == {"function", "namespace", "web_search"} for b in bodies)
         assert session.errors["server/tools_dropped"] == len(bodies)
         assert all('"name": "multi_agent_v1__close_agent"' in p and '"web_search"' not in p for p in prompts)
