@@ -1693,12 +1693,21 @@ class Codec:
         if len(plain) != len(pieces):
             raise ValueError(f"the template's text does not line up with its tokens ({len(plain)} runs of text, "
                              f"{len(pieces)} pieces)")
-        # split_special_tokens keeps a special's spelling text; an added token that is not special is matched
-        # whatever that flag says, so each piece is tokenized apart at its marks
-        fresh = iter([t for part in p.split(MARK) for t in self.tokenizer(part, add_special_tokens=False,
-                                                                          split_special_tokens=True)["input_ids"]]
+        # the literal tokenizer keeps a special's spelling text; an added token that is not special is matched
+        # whatever it says, so each piece is tokenized apart at its marks
+        fresh = iter([t for part in p.split(MARK) for t in self.literal(part, add_special_tokens=False)["input_ids"]]
                      for p in pieces)
         return [t for r in runs for t in (next(fresh) if r[0] not in self.special_ids else r)]
+
+    @functools.cached_property
+    def literal(self):
+        """The tokenizer spelling special tokens as text, a copy of its own: transformers 5 sets a call's
+        split_special_tokens on the shared Rust tokenizer, so a template tokenized meanwhile on another thread (drift
+        reports run off the event loop) had its <|im_start|> split into characters."""
+        import copy
+        tokenizer = copy.deepcopy(self.tokenizer)
+        tokenizer.split_special_tokens = True
+        return tokenizer
 
     def encode_template(self, text: str, images: list | None = None) -> tuple[list[int], dict | None]:
         if images:
