@@ -8,10 +8,11 @@ loopback server, which records every turn token-exactly; its task's rewards are 
 (directories put on the import path, for an environment that is not installed), "taskset" (its taskset config's
 fields), "harness" ("null": verifiers' plain chat loop with the task's tools; every harness that executes the
 policy's actions, "bash" and the agent CLIs, is refused: here it would run them on the host),
-"max_turns" (8), "sampling" (more request fields, e.g. {"tool_choice": "required"}). --data is the environment's own
-task set unless given (rows of its TaskData fields: prompt, and what its rewards read). Each episode runs verifiers'
-harness program in a local subprocess (never a Prime sandbox) with this Python and an allow-listed environment
-(CHILD_ENV: none of the trainer's secrets); a task whose reward or rollout errs costs its episode, counted.
+"max_turns" (8), "sampling" (more request fields, e.g. {"tool_choice": "required"}; a max_tokens past the run's is
+cut to it). --data is the environment's own task set unless given (rows of its TaskData fields: prompt, and what its
+rewards read). Each episode runs verifiers' harness program in a local subprocess (never a Prime sandbox) with this
+Python and an allow-listed environment (CHILD_ENV: none of the trainer's secrets); a task whose reward or rollout
+errs costs its episode, counted.
 
 Unlike verifiers' own trainer, which renders the prompt to token ids on its side (its renderers package) and sends
 them to vLLM's generate endpoint, here the environment speaks the plain chat API and Molt's server owns the tokens:

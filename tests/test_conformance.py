@@ -321,7 +321,7 @@ async def answers(engine, tiny, vllm_url, wire, requests):
     path, view = {"openai": ("/v1/chat/completions", openai_view), "anthropic": ("/v1/messages", anthropic_view),
                   "responses": ("/v1/responses", responses_view)}[wire]
     out, plain_ids = {}, {}
-    async with Server(engine, tiny, {"temperature": 1.0, "max_tokens": 8}) as srv, aiohttp.ClientSession() as http:
+    async with Server(engine, tiny, {"temperature": 1.0, "max_tokens": 120}) as srv, aiohttp.ClientSession() as http:
         for name, (body, stream) in requests.items():
             if "@STOP@" in json.dumps(body):  # a stop string the seeded reply contains: its 3rd-5th characters
                 plain = out["plain"][2]["text"][0] if wire == "openai" else out["plain"][2]["blocks"][0][1]

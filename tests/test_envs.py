@@ -28,12 +28,13 @@ def agent_config(agent: str, env_id: str = "", **args) -> molt.Config:
     return small_config(agent=str(ROOT / "agents" / agent), **{"env.id": env_id, "env.args": json.dumps(args)})
 
 
-def run_rows(engine, model, cfg, rows, n=2, runner=None):
-    """Each row's group of n episodes through an AgentPool (the agent module cfg names, or `runner`)."""
+def run_rows(engine, model, cfg, rows, n=2, runner=None, sampling=SAMPLING):
+    """Each row's group of n episodes through an AgentPool (the agent module cfg names, or `runner`), sampled as
+    the run's `sampling` says (its max_tokens is the cap of every request)."""
     async def main():
         pool = molt.AgentPool(cfg, cfg.agent, model, [engine])
         pool.runner = runner or pool.runner
-        outs = [await pool.run_group(row, n, dict(SAMPLING), uuid.uuid4().hex, i) for i, row in enumerate(rows)]
+        outs = [await pool.run_group(row, n, dict(sampling), uuid.uuid4().hex, i) for i, row in enumerate(rows)]
         await pool.server.stop()
         for cls in getattr(pool.runner, "agent_cls", object).__mro__:  # verifiers' serving contexts, in whichever
             close = getattr(vars(cls).get("run"), "__globals__", {}).get("close")  # copy of the module ran them
@@ -188,11 +189,11 @@ def test_verifiers_single_turn_env_its_rubric_is_the_reward(engine, tiny):
 def test_verifiers_tool_env_runs_its_tools_through_the_loopback_server(engine, tiny):
     """The calculator runs in verifiers' own MCP server; forced calls (tool_choice passed through --env.args'
     sampling) make every turn a call, so the transcript has tool results, all in one recorded segment."""
-    cfg = agent_config("verifiers_env.py", "vf_calc", path=ENVS, max_turns=2,
-                       sampling={"tool_choice": "required", "max_tokens": 96})
+    cfg = agent_config("verifiers_env.py", "vf_calc", path=ENVS, max_turns=2, sampling={"tool_choice": "required"})
     rows = vf_agent.load_data("", cfg, False)
     TRACES.clear()
-    [out] = run_rows(engine, tiny, cfg, rows[:1], runner=molt.ChatAgentRunner(Recording))
+    [out] = run_rows(engine, tiny, cfg, rows[:1], runner=molt.ChatAgentRunner(Recording),
+                     sampling={**SAMPLING, "max_tokens": 96})
     tok = AutoTokenizer.from_pretrained(tiny)
     assert out.failures == {} and len(TRACES) == 2 and len(out.samples) == 2  # one segment per episode
     for trace in TRACES:

@@ -169,7 +169,7 @@ def test_a_tool_episode_as_agent_code_for_a_real_model_writes_it(family, wire):
         return use.name, use.input, r.stop_reason
 
     async def main():
-        async with Server(engine, path) as srv:
+        async with Server(engine, path, {"temperature": 1.0, "max_tokens": 80}) as srv:  # (the run's cap)
             out = await (openai_episode if wire == "openai" else anthropic_episode)(srv)
             return out, srv.session.segments, srv.pool.router.prompts
     (tool, args, finish), segments, prompts = run(main())
@@ -368,7 +368,7 @@ def test_the_openai_agents_sdk_runs_a_tool_loop_in_one_segment(family, chained):
         return "sunny"
 
     async def main():
-        async with Server(engine, path, ends, **{"server.history": "append"}) as srv:
+        async with Server(engine, path, {**ends, "max_tokens": 120}, **{"server.history": "append"}) as srv:
             model = OpenAIResponsesModel(model="m", openai_client=srv.openai())
             agent = Agent(name="w", model=model, tools=[get_weather], model_settings=ModelSettings(
                 tool_choice="required", max_tokens=120))

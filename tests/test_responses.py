@@ -170,7 +170,7 @@ def test_the_second_case_of_a_chain_instructions_items_storage_and_tools(engine,
     codec = molt.Codec(tiny)
 
     async def main():
-        async with Server(engine, tiny, ENDS) as srv:
+        async with Server(engine, tiny, {**ENDS, "max_tokens": 120}) as srv:  # (the forced call asks 120)
             c = srv.openai()
             r1 = await c.responses.create(model="m", input="hi", instructions="Be brief.")
             await c.responses.create(model="m", input="more", instructions="Be long.", previous_response_id=r1.id)
