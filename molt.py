@@ -853,6 +853,7 @@ class ChatContext:
     judge_url: str = ""  # an OpenAI endpoint for judging: not recorded, not trained on (JudgeConfig)
     judge_model: str = ""
     judge_api_key: str = ""
+    socket: str = ""  # the server's unix socket, for a sandboxed client (rewards/sandbox.py relays it to base_url's port)
 
     def openai(self, **kw):
         """An AsyncOpenAI client for this session. Clients share one connection pool per event loop: building a
@@ -979,7 +980,7 @@ class ChatAgentRunner(Runner):
         segments = session.segments  # (one with nothing to train, all greedy or guided, is dropped before training)
         samples = [finish_sample(s, first_scalar(result.reward), result) for s in segments]
         for s in samples:  # per episode, like the agent's own info (step_metrics averages them over episodes)
-            s.info.update(session.errors)
+            s.info.update(session.counts)
         last = session.choices[0][1] if session.choices else None
         if any(s is last for s in samples):  # off the event loop: it renders and tokenizes the whole conversation
             last.drift = await asyncio.to_thread(drift_report, pool.codec, session, segments, pool.cfg.dump_samples)
@@ -2699,8 +2700,9 @@ class Session:
     last_tools: Any = None
     choices: list = field(default_factory=list)  # [(Reply, the Sample it extended)] of the last turn
     template: dict = field(default_factory=dict)  # the last turn's chat-template variables
-    errors: dict = field(default_factory=lambda: {"server/4xx": 0, "server/5xx": 0, "server/tools_dropped": 0})
-    # (answers refused or failed; hosted tools offered, summed over requests, that the model was never shown)
+    counts: dict = field(default_factory=lambda: {"server/requests": 0, "server/4xx": 0, "server/5xx": 0,
+                                                  "server/tools_dropped": 0})
+    # (requests read; answers refused or failed; hosted tools offered, summed over requests, never shown to the model)
     responses: dict = field(default_factory=dict)  # Responses kept (store), RESPONSES_KEPT at most: id -> (Turn,
     # Reply, its segment, the segment's length at its end)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -2728,6 +2730,7 @@ class LoopbackServer:
         self.cfg, self.codec, self.router, self.model_name = cfg, codec, router, model_name
         self.sessions: dict[str, Session] = {}
         self.port, self._runner, self._listener, self.connections = None, None, None, set()
+        self._unix, self.socket = None, ""
         self._starting = asyncio.Lock()
         self.key = "sk-molt-" + secrets.token_hex(16)  # for the unrecorded route (judges, helpers)
 
@@ -2762,11 +2765,20 @@ class LoopbackServer:
                                         s.header_timeout)
             self._listener = await asyncio.get_running_loop().create_server(guarded, "127.0.0.1", 0)
             self.port, self._runner = self._listener.sockets[0].getsockname()[1], runner
+            # the same server on a unix socket, the way in for a client in the sandbox (no network there): its
+            # directory searchable and the socket writable by a sandbox uid; a session's key still guards each request
+            folder = tempfile.mkdtemp(prefix="molt-loopback-")
+            os.chmod(folder, 0o711)
+            self._unix = await asyncio.get_running_loop().create_unix_server(guarded, f"{folder}/s")
+            self.socket = f"{folder}/s"
+            os.chmod(self.socket, 0o666)
 
     async def stop(self):
         if self._runner is not None:
             self._listener.close()
+            self._unix.close()
             await self._runner.cleanup()
+            shutil.rmtree(os.path.dirname(self.socket), ignore_errors=True)
             self._runner = None
 
     def open(self, ep: Episode) -> ChatContext:
@@ -2781,7 +2793,7 @@ class LoopbackServer:
                            sampling_params=dict(ep.sampling), base_url=root + "/v1", session_url=root,
                            api_key=key, model_name=self.model_name, session_id=sid,
                            max_length=self.cfg.data.max_len, max_turns=self.cfg.rollout.max_turns,
-                           judge_url=judge_url, judge_model=judge_model, judge_api_key=judge_key)
+                           judge_url=judge_url, judge_model=judge_model, judge_api_key=judge_key, socket=self.socket)
 
     def judge_endpoint(self) -> tuple[str, str, str]:
         """URL, model and key of the judge: --judge.url's, or this server's unrecorded route to the policy."""
@@ -2850,8 +2862,9 @@ class LoopbackServer:
             await asyncio.to_thread(getattr, self, "parser")
         try:
             body = await self.read_json(request)
+            s.counts["server/requests"] += 1
             turn = wire.decode(body)
-            s.errors["server/tools_dropped"] += turn.tools_dropped
+            s.counts["server/tools_dropped"] += turn.tools_dropped
             turn.retry = request.headers.get("x-stainless-retry-count", "0") not in ("", "0")
             self.check_sampling(s, turn)
             model = body.get("model") or self.model_name
@@ -3076,7 +3089,7 @@ def refusal(err: Exception) -> WireError | None:
 async def wire_errors(sessions: dict, request, handler):
     """Every refusal in the JSON error shape of the request's wire: a WireError, a request refused downstream (a 400),
     a server-side failure (a 500: no engine left, say), and aiohttp's own (an unknown path or method, a body over the
-    limit). Each is counted in its session's errors."""
+    limit). Each is counted in its session's counts."""
     from aiohttp import web
     try:
         return await handler(request)
@@ -3095,7 +3108,7 @@ async def wire_errors(sessions: dict, request, handler):
 
 def count_error(s: "Session | None", status: int):
     if s is not None:
-        s.errors["server/5xx" if status >= 500 else "server/4xx"] += 1
+        s.counts["server/5xx" if status >= 500 else "server/4xx"] += 1
 
 
 def openai_error(err: WireError) -> dict:
@@ -4530,32 +4543,37 @@ def token_logprobs(logits, ids, temperature, with_entropy=False, media: list[int
     return next_token_logprobs(logits[:, :-1], ids[:, 1:], temperature, with_entropy, media)
 
 
-def chunked_logprobs(head, h, ids, temperature, with_entropy: bool, media: list[int], rows: int):
+def chunked_logprobs(head, h, ids, temperature, with_entropy: bool, media: list[int], rows: int, need=None):
     """token_logprobs of head(h) for hidden states h [b, T, H] without their [b, T, V] logits: positions go through
     the head `rows` at a time, each chunk checkpointed (its logits are recomputed in backward), so forward and
-    backward hold one chunk's [rows, V] at a time. -> [b (T - 1), 2]: log-prob, entropy (0 without); a tensor of its
-    own, not a view (FSDP hooks the backward of what its root returns)."""
+    backward hold one chunk's [rows, V] at a time. need [b, T - 1] (bool): only those positions go through the head
+    (an agent's prompt is most of its tokens and none is trained on), the rest stay 0. -> [b (T - 1), 2]: log-prob,
+    entropy (0 without); a tensor of its own, not a view (FSDP hooks the backward of what its root returns)."""
     import torch
     from torch.utils.checkpoint import checkpoint
     H = h.shape[-1]
     x, y = h[:, :-1].reshape(-1, H), ids[:, 1:].reshape(-1)  # [N, H], [N]: N = b (T - 1) positions
     temp = temperature if isinstance(temperature, (int, float)) else temperature.reshape(-1)
+    n, at = len(x), None
+    if need is not None:  # [n'] of the N: at least one, so a micro-batch with nothing to train still has a graph
+        at = need.reshape(-1).nonzero()[:, 0] if need.any() else torch.zeros(1, dtype=torch.long, device=x.device)
+        x, y, temp = x[at], y[at], temp if isinstance(temp, (int, float)) else temp[at]
 
     def part(i, x):
         t = temp if isinstance(temp, (int, float)) else temp[i:i + rows]
         lp, ent = next_token_logprobs(head(x), y[i:i + rows], t, with_entropy, media)
         return torch.stack([lp, torch.zeros_like(lp) if ent is None else ent], -1)
     recompute = torch.is_grad_enabled() and len(x) > rows  # one chunk: kept as is, nothing to gain by recomputing
-    out = [checkpoint(part, i, x[i:i + rows], use_reentrant=False) if recompute else part(i, x[i:i + rows])
-           for i in range(0, len(x), rows)]
-    return torch.cat(out)
+    out = torch.cat([checkpoint(part, i, x[i:i + rows], use_reentrant=False) if recompute else part(i, x[i:i + rows])
+                     for i in range(0, len(x), rows)])
+    return out if at is None else out.new_zeros(n, 2).index_put((at,), out)
 
 
-def head_logprobs(w, mb: dict, ids, temperature, with_entropy: bool):
+def head_logprobs(w, mb: dict, ids, temperature, with_entropy: bool, need=None):
     """(log-probs, entropy) [b, T - 1] of the micro-batch (packed: [1, L - 1]) through the policy's head in chunks
-    (--train.logits-chunk-mb): the model's output embedding is swapped for chunked_logprobs during the forward, inside
-    FSDP's unsharded window. A model that never calls its output embedding on the hidden states, or scales logits
-    after it (a logit soft-cap), gets its logits whole."""
+    (--train.logits-chunk-mb), at the `need` positions (chunked_logprobs): the model's output embedding is swapped for
+    chunked_logprobs during the forward, inside FSDP's unsharded window. A model that never calls its output embedding
+    on the hidden states, or scales logits after it (a logit soft-cap), gets its logits whole, at every position."""
     head, chunk_mb = w.model.get_output_embeddings(), w.cfg.train.logits_chunk_mb
     config = getattr(w.model, "config", None)
     if not chunk_mb or head is None or getattr(getattr(config, "text_config", config), "final_logit_softcapping", None):
@@ -4566,7 +4584,7 @@ def head_logprobs(w, mb: dict, ids, temperature, with_entropy: bool):
 
     def chunked(h):
         called.append(True)
-        return chunked_logprobs(own, h, ids, temperature, with_entropy, w.media, rows)
+        return chunked_logprobs(own, h, ids, temperature, with_entropy, w.media, rows, need)
     head.forward = chunked
     try:
         out = model_forward(w.model, mb, w.image_token)
@@ -4580,13 +4598,15 @@ def head_logprobs(w, mb: dict, ids, temperature, with_entropy: bool):
 
 
 def step_logprobs(w, mb: dict, with_entropy=False):
-    """Worker w's model on micro-batch mb -> log-probs (+ entropy) in the padded layout [b, T - 1], packed or not."""
+    """Worker w's model on micro-batch mb -> log-probs (+ entropy) in the padded layout [b, T - 1], packed or not;
+    computed at the trained tokens (mb["mask"]), 0 elsewhere."""
     import torch.nn.functional as F
     if "flat" not in mb:
-        return head_logprobs(w, mb, mb["ids"], mb["temperature"], with_entropy)
+        return head_logprobs(w, mb, mb["ids"], mb["temperature"], with_entropy, mb["mask"] > 0)
     # [1, L - 1]: the last position of each sample predicts across a restart; unpacking puts it in the padding
     temperature = packed(F.pad(mb["temperature"], (0, 1), value=1.0), mb)[:, :-1]
-    out = head_logprobs(w, mb, packed(mb["ids"], mb), temperature, with_entropy)
+    need = packed(F.pad(mb["mask"], (0, 1)), mb)[:, :-1] > 0
+    out = head_logprobs(w, mb, packed(mb["ids"], mb), temperature, with_entropy, need)
     return tuple(x if x is None else unpacked(F.pad(x, (0, 1)), mb)[:, :-1] for x in out)
 
 

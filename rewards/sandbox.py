@@ -120,9 +120,10 @@ def _seccomp():
     return seccomp
 
 
-@functools.lru_cache(maxsize=1)
-def seccomp_program() -> bytes:
-    """The sandbox's seccomp filter as BPF: every call allowed except DENIED_CALLS, fcntl's FILE_LOCKS commands and
+@functools.lru_cache(maxsize=2)
+def seccomp_program(locks: bool = False) -> bytes:
+    """The sandbox's seccomp filter as BPF: every call allowed except DENIED_CALLS, fcntl's FILE_LOCKS commands (both
+    allowed with `locks`: an agent CLI's SQLite state needs them; a lock on a bound file is then seen by the host) and
     clone into new namespaces (EPERM), clone3 (ENOSYS: its flags sit in memory a filter cannot read, and the C library falls back to clone),
     terminal injection (EPERM) and other socket families (EAFNOSUPPORT). Calls through another architecture's ABI
     (i386, x32) kill the process: libseccomp's default for a foreign architecture."""
@@ -130,11 +131,12 @@ def seccomp_program() -> bytes:
     sc = _seccomp()
     f = sc.SyscallFilter(sc.ALLOW)
     for name in DENIED_CALLS:
-        f.add_rule(sc.ERRNO(errno.EPERM), name)
+        if not (locks and name == "flock"):
+            f.add_rule(sc.ERRNO(errno.EPERM), name)
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
     for flag in NEW_NAMESPACES:
         f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
-    for command in FILE_LOCKS:
+    for command in FILE_LOCKS if not locks else ():
         f.add_rule(sc.ERRNO(errno.EPERM), "fcntl", sc.Arg(1, sc.EQ, command))
     for request in TERMINAL_INJECTION:
         f.add_rule(sc.ERRNO(errno.EPERM), "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
@@ -193,9 +195,10 @@ def _read(path: str) -> str:
         return ""
 
 
-def _make_cgroups() -> list[str]:
-    """New cgroups for one sandbox (its processes join them before bwrap starts), capped by CGROUP_CAPS, in each
-    hierarchy where this process may make one; [] where it may make none (not root, no delegated cgroup)."""
+def _make_cgroups(processes: int = PROCESSES) -> list[str]:
+    """New cgroups for one sandbox (its processes join them before bwrap starts), capped by CGROUP_CAPS (pids at
+    `processes`), in each hierarchy where this process may make one; [] where it may make none (not root, no delegated
+    cgroup)."""
     made, name = [], f"molt-sandbox-{os.getpid()}-{os.urandom(6).hex()}"  # pids get reused: stale names may linger
     for parent in cgroup_parents(os.getpid()):
         path = os.path.join(parent, name)
@@ -203,7 +206,8 @@ def _make_cgroups() -> list[str]:
             os.mkdir(path)
         except OSError:
             continue
-        caps = [(file, value) for file, value in CGROUP_CAPS if os.path.exists(os.path.join(path, file))]
+        caps = [(file, processes + 2 if file == "pids.max" else value) for file, value in CGROUP_CAPS
+                if os.path.exists(os.path.join(path, file))]
         try:
             for file, value in caps:  # in order: v1's memsw may not go below the memory limit
                 with open(os.path.join(path, file), "w") as f:
@@ -279,8 +283,10 @@ def python_roots() -> list[tuple[str, list[str]]]:
     return sorted(roots.items())
 
 
-def bwrap_argv(extra: list[str] = (), seccomp_fd: int | None = None, staged: bool = False) -> list[str]:
-    """The bwrap command line around a program: what it sees, as whom, with which namespaces and limits."""
+def bwrap_argv(extra: list[str] = (), seccomp_fd: int | None = None, staged: bool = False, binds: list = (),
+               processes: int = PROCESSES, home: str = "/scratch") -> list[str]:
+    """The bwrap command line around a program: what it sees, as whom, with which namespaces and limits. binds:
+    [(host directory, path inside, writable)], staged after the Python roots; home: its working directory and HOME."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise SandboxUnavailable(HOW_TO)
@@ -297,13 +303,16 @@ def bwrap_argv(extra: list[str] = (), seccomp_fd: int | None = None, staged: boo
     argv += ["--symlink", "/proc/self/fd", "/dev/fd", "--symlink", "../scratch/.shm", "/dev/shm", "--remount-ro",
              "/dev", "--size", str(SCRATCH_BYTES), "--tmpfs", "/scratch", "--dir", "/scratch/.tmp", "--dir",
              "/scratch/.shm", "--symlink", "scratch/.tmp", "/tmp"]
-    for i, (real, paths) in enumerate(python_roots()):  # after the scratch, so a checkout under /tmp finds its Python
+    roots = python_roots()
+    for i, (real, paths) in enumerate(roots):  # after the scratch, so a checkout under /tmp finds its Python
         argv += [a for p in paths for a in ("--ro-bind", f"{STAGE}/{i}" if staged else real, p)]
+    for i, (real, path, writable) in enumerate(binds, len(roots)):
+        argv += ["--bind" if writable else "--ro-bind", f"{STAGE}/{i}" if staged else real, path]
     argv += ["--remount-ro", "/"]  # bwrap's root is a tmpfs of no size: writable, it bypassed the scratch cap
-    argv += ["--chdir", "/scratch", "--setenv", "HOME", "/scratch", "--setenv", "PATH", "/usr/bin:/bin",
+    argv += ["--chdir", home, "--setenv", "HOME", home, "--setenv", "PATH", "/usr/bin:/bin",
              "--setenv", "MPLBACKEND", "Agg", "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "LANG", "C.UTF-8"]
     argv += ["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []
-    return argv + list(extra) + ["/usr/bin/prlimit", f"--nproc={PROCESSES}:{PROCESSES}", "--"]
+    return argv + list(extra) + ["/usr/bin/prlimit", f"--nproc={processes}:{processes}", "--"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -377,6 +386,14 @@ def _stage(libc, roots: list[str]):
         os.close(fd)
 
 
+def _give(top: str, uid: int):
+    """Everything under top (links themselves, never followed) owned by uid: the sandbox may write there."""
+    os.chown(top, uid, uid, follow_symlinks=False)
+    for root, dirs, files in os.walk(top):
+        for name in dirs + files:
+            os.chown(os.path.join(root, name), uid, uid, follow_symlinks=False)
+
+
 def _high(fd: int) -> int:
     """fd moved to 10 or above, clear of the side channel's fixed number (3)."""
     import fcntl
@@ -385,18 +402,22 @@ def _high(fd: int) -> int:
     return high
 
 
-def _spawn(program: list[str], limits: list, extra: list[str] = (), side: int | None = None, **popen):
+def _spawn(program: list[str], limits: list, extra: list[str] = (), side: int | None = None, binds: list = (),
+           processes: int = PROCESSES, home: str = "/scratch", locks: bool = False, **popen):
     """Popen bwrap around program, in a session and cgroups of its own, _enter'ed; proc.side reads the side channel
-    (fd `side` inside), when asked for."""
+    (fd `side` inside), when asked for. A writable bind's directory becomes the sandbox uid's (as root)."""
     _native()  # looked up here: the child may only call what is ready
     staged = os.geteuid() == 0
-    roots = [real for real, _ in python_roots()] if staged else []
+    roots = [real for real, _ in python_roots()] + [real for real, _, _ in binds] if staged else []
     rules = _high(os.memfd_create("molt-seccomp"))
-    os.write(rules, seccomp_program())
+    os.write(rules, seccomp_program(locks))
     os.lseek(rules, 0, os.SEEK_SET)
     r, w = (_high(fd) for fd in os.pipe()) if side else (None, None)
-    cgroups, (uid, held) = _make_cgroups(), _claim_uid()
-    argv = bwrap_argv(extra, rules, staged) + program
+    cgroups, (uid, held) = _make_cgroups(processes), _claim_uid()
+    for real, _, writable in binds if uid >= 0 else ():
+        if writable:
+            _give(real, uid)
+    argv = bwrap_argv(extra, rules, staged, binds, processes, home) + program
     try:
         proc = subprocess.Popen(argv, preexec_fn=functools.partial(_enter, cgroups, roots, limits, w, side, uid),
                                 start_new_session=True, env=BWRAP_ENV, cwd="/",
@@ -418,13 +439,13 @@ def _spawn(program: list[str], limits: list, extra: list[str] = (), side: int | 
 # How long: running a program, reading its output in bounded chunks, killing it at its deadline
 
 def _run(program: list[str], stdin: bytes, timeout: float, extra: list[str] = (), side: int | None = None,
-         side_bytes: int = SIDE_BYTES):
+         side_bytes: int = SIDE_BYTES, limits: list = RUN_LIMITS, **shape):
     """Run program in a sandbox, feed it stdin, and read stdout, stderr (and the side channel, if any) in chunks while
     it runs, keeping OUTPUT_BYTES of each (side_bytes of the side channel) and dropping the rest; the whole sandbox is
     killed at the deadline or past FLOOD_BYTES printed. -> (stdout, stderr, side bytes, exit code or None, why it was
     stopped or "")."""
-    proc = _spawn(program, RUN_LIMITS, extra, side, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                  stderr=subprocess.PIPE)
+    proc = _spawn(program, limits, extra, side, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                  stderr=subprocess.PIPE, **shape)
     threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True).start()
     out, err, extra_out, stopped, printed = bytearray(), bytearray(), bytearray(), "", 0
     sel = selectors.DefaultSelector()
@@ -510,6 +531,74 @@ def run(source: str, stdin: bytes = b"", timeout: float = TIMEOUT, side: bool | 
         raise SandboxError(f"the sandbox did not start ({stopped or f'exit code {code}'}): "
                            f"{err.decode(errors='replace').strip()[-600:]}")
     return out, err[len(STARTED):], back, code, stopped
+
+
+# A program run by a Python parent (its first write tells the sandbox started) that exits with the program's status.
+# With a port, the parent relays 127.0.0.1:PORT inside the sandbox's network namespace, connection by connection, to
+# the host's unix socket bound at RELAYED (a server the program talks to: the loopback session); nothing else leads out.
+RELAYED, WORK = "/run/molt", "/home/agent"  # (paths no Python root is bound at)
+RELAY = r'''
+import socket, subprocess, sys, threading
+port, path, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+def pump(a, b):
+    try:
+        while data := a.recv(65536):
+            b.sendall(data)
+        b.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+def relay(lo):
+    while True:
+        near, _ = lo.accept()
+        far = socket.socket(socket.AF_UNIX)
+        try:
+            far.connect(path)
+        except OSError:
+            near.close()
+            continue
+        for a, b in ((near, far), (far, near)):
+            threading.Thread(target=pump, args=(a, b), daemon=True).start()
+if port:
+    threading.Thread(target=relay, args=(socket.create_server(("127.0.0.1", port)),), daemon=True).start()
+code = subprocess.run(argv).returncode
+sys.exit(128 - code if code < 0 else code)  # (killed by a signal: as a shell says it)
+'''
+PROGRAM_PROCESSES = 512  # threads count too: a Node or Rust CLI starts dozens
+PROGRAM_FILES = 4096
+
+
+def run_program(argv: list[str], workdir: str, timeout: float, relay: tuple[int, str] | None = None,
+                env: dict | None = None, stdin: bytes = b"", shared: list[str] = ()):
+    """Run a program (an agent CLI and what it executes) in a sandbox whose only writable host directory is
+    `workdir`, at WORK (its working directory and HOME; as root it becomes the sandbox uid's), with `env` as its whole
+    environment. relay (port, host unix socket): inside, 127.0.0.1:port leads to that socket (the episode's loopback
+    session) and nothing else does. shared: host directories it may read, at their own paths (the program's
+    installation, where this Python's does not hold it). It may take file locks (an agent CLI's SQLite state needs
+    them). The whole sandbox is capped at MEMORY by its cgroup (where none can be made, each
+    process's address space at 4 x MEMORY); its CPU seconds at the timeout.
+    -> (stdout, stderr, exit code or None, why it was stopped or ""). Raises SandboxError when the sandbox itself did
+    not start."""
+    require()
+    extra = [a for k, v in (env or {}).items() for a in ("--setenv", k, str(v))]
+    port, path = relay or (0, "")
+    binds = [(os.path.realpath(workdir), WORK, True)]
+    binds += [(os.path.dirname(os.path.realpath(path)), RELAYED, False)] if relay else []
+    binds += [(os.path.realpath(d), os.path.realpath(d), False) for d in shared]
+    program = [sys.executable, "-I", "-c", PROLOGUE + RELAY, str(port), f"{RELAYED}/{os.path.basename(path)}", *argv]
+    limits = [(resource.RLIMIT_CPU, int(timeout) + 1), (resource.RLIMIT_FSIZE, 64 << 20),
+              (resource.RLIMIT_NOFILE, PROGRAM_FILES), (resource.RLIMIT_CORE, 0)]
+    limits += [] if "memory" in _caps() else [(resource.RLIMIT_AS, 4 * MEMORY)]
+    out, err, _, code, stopped = _run(program, stdin, timeout, extra, limits=limits, binds=binds,
+                                      processes=PROGRAM_PROCESSES, home=WORK, locks=True)
+    if not err.startswith(STARTED):
+        raise SandboxError(f"the sandbox did not start ({stopped or f'exit code {code}'}): "
+                           f"{err.decode(errors='replace').strip()[-600:]}")
+    return out, err[len(STARTED):], code, stopped
+
+
+@functools.lru_cache(maxsize=1)
+def _caps() -> set[str]:
+    return cgroup_caps()
 
 
 _CHECKED: list = []

@@ -377,7 +377,7 @@ MUTATIONS = [
      'getattr(self, "bias", None)  # gpt-oss', 'None  # gpt-oss',
      ["tests/test_moe.py::test_the_trainer_computes_each_router_as_its_model_does"]),
     ("errors-uncounted", "metrics: a session's refused answers are not counted",
-     '        s.errors["server/5xx" if status >= 500 else "server/4xx"] += 1', "        pass", [f"{SV}::test_a_sessions_refused_answers_are_counted_in_its_episode"]),
+     '        s.counts["server/5xx" if status >= 500 else "server/4xx"] += 1', "        pass", [f"{SV}::test_a_sessions_refused_answers_are_counted_in_its_episode"]),
     ("n-choices-chained", "token identity: with n > 1 after earlier turns, a choice extends another's reply",
      "seg = prep.seg if len(completions) == 1 else None", "seg = prep.seg",
      [f"{SV}::test_n_choices_after_earlier_turns_each_extend_the_conversation_not_each_other"]),

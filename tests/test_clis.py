@@ -4,10 +4,12 @@ a session of the loopback server on tiny:qwen3 (a real tokenizer and template; t
 field each sends is in a conformance list with Molt's handling; every request is answered 2xx; the run's max_tokens
 caps what each asks; what the model saw is checked in the recorded tokens."""
 import asyncio
+import dataclasses
 import json
 import os
 import re
 import subprocess
+import types
 from pathlib import Path
 
 import pytest
@@ -114,7 +116,7 @@ def test_a_stock_cli_at_its_defaults_gets_every_request_answered_and_its_max_tok
                                                                                           monkeypatch):
     version, fields = CLIS[cli]
     code, output, bodies, session, prompts = drive(qwen3, cli, tmp_path, monkeypatch)
-    assert bodies and session.errors["server/4xx"] == session.errors["server/5xx"] == 0, output[-3000:]
+    assert bodies and session.counts["server/4xx"] == session.counts["server/5xx"] == 0, output[-3000:]
     assert {k for b in bodies for k in b} <= set(fields), {k for b in bodies for k in b} - set(fields)
     assert session.segments and all(sum(s.mask) <= CAP for s in session.segments)
     assert max(sum(s.mask) for s in session.segments) == CAP  # each reply cut at the run's cap, whatever was asked
@@ -127,7 +129,44 @@ def test_a_stock_cli_at_its_defaults_gets_every_request_answered_and_its_max_tok
         assert all(p.index("write hello.txt") < p.index("<|im_start|>system\n# Environment") for p in prompts)
     elif cli == "codex":  # every request offered web_search (dropped, counted) and a namespace (shown under it)
         assert all({t["type"] for t in b["tools"]} == {"function", "namespace", "web_search"} for b in bodies)
-        assert session.errors["server/tools_dropped"] == len(bodies)
+        assert session.counts["server/tools_dropped"] == len(bodies)
         assert all('"name": "multi_agent_v1__close_agent"' in p and '"web_search"' not in p for p in prompts)
     reported = subprocess.run([str(BIN / cli), "--version"], capture_output=True, text=True, timeout=60).stdout
     assert re.search(re.escape(version), reported), reported  # the pinned release (README, setup.sh)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# agents/cli.py: each CLI runs in the sandbox, its only way out the episode's session
+
+cli_agent = molt.import_path(str(Path(__file__).resolve().parent.parent / "agents" / "cli.py"))
+SHELL = {"codex": ("exec_command", "cmd"), "claude": ("Bash", "command"), "opencode": ("bash", "command")}
+
+
+@pytest.mark.parametrize("cli", ["codex", "claude", "opencode"])
+def test_a_cli_agent_runs_the_policys_command_in_the_sandbox(qwen3, cli, tmp_path, monkeypatch):
+    """The policy (guided to call the CLI's own shell tool) runs a command that marks the work directory, writes a
+    host path outside it, copies a host file and then kills its CLI (the episode ends there). Checked from the host: the mark is in
+    the work directory (the command ran, through the CLI, inside), the outside path was never written, the copy is
+    empty, and every request the CLI made was answered (the relay carried them)."""
+    path, engine = qwen3
+    secret, outside = tmp_path / "secret.txt", tmp_path / "outside.txt"
+    secret.write_text("host secret")
+    name, key = SHELL[cli]
+    command = f"echo ran > ran.txt; echo x > {outside}; cat {secret} > leak.txt; kill -9 $PPID"
+    call = json.dumps({"name": name, "arguments": {key: command}})
+    sampling = {"temperature": 1.0, "max_tokens": 200,
+                "structured_outputs": {"regex": re.escape(f"<tool_call>\n{call}\n</tool_call>")}}
+    works = []
+    monkeypatch.setattr(cli_agent, "shutil", types.SimpleNamespace(rmtree=lambda p, **_: works.append(p)))  # kept
+
+    async def main():
+        async with Server(engine, path, sampling=sampling, **LONG) as srv:
+            ctx = dataclasses.replace(srv.ctx, prompt="Say hi.", label={
+                "cli": {"cli": cli, "timeout": 120}, "check": "test -f ran.txt"})
+            return await cli_agent.CLIAgent().run(ctx), srv.session
+    result, session = run(main())
+    [work] = works
+    assert (Path(work) / "ran.txt").read_text() == "ran\n" and result.reward == 1.0
+    assert not outside.exists() and (Path(work) / "leak.txt").read_text() == ""
+    assert session.counts["server/requests"] >= 1 and session.counts["server/4xx"] == session.counts["server/5xx"] == 0
+    subprocess.run(["rm", "-rf", work], check=True)

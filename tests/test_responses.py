@@ -152,12 +152,12 @@ def test_namespace_tools_are_shown_under_their_namespace_and_hosted_tools_are_dr
         assert (call.name, call.namespace) == ("get_weather", "mail") and json.loads(call.arguments)["city"]
     shown = molt.Codec(tiny).tokenizer.decode(prompts[0])
     assert all(f'"name": "{n}"' in shown for n in ("crm__get_weather", "mail__get_weather", "get_weather"))
-    assert "web_search" not in shown and session.errors["server/tools_dropped"] == 3
+    assert "web_search" not in shown and session.counts["server/tools_dropped"] == 3
     # (prompts: the unstreamed requests') the replay extends the call's segment; the stream's is the other one
     assert len(session.segments) == 2 and prompts[1][:len(prompts[0])] == prompts[0]
     assert "sunny" in molt.Codec(tiny).tokenizer.decode(prompts[1][len(prompts[0]):])
     assert status == 400 and "'custom' tools are not served" in refused["error"]["message"]
-    assert session.errors["server/4xx"] == 1  # that refusal alone
+    assert session.counts["server/4xx"] == 1  # that refusal alone
 
 
 def test_the_second_case_of_a_chain_instructions_items_storage_and_tools(engine, tiny):

@@ -1201,3 +1201,59 @@ def test_a_chain_on_the_solutions_own_class_runs_where_the_solution_runs():
     problem = code_agent.grader.read_problem({"tests": ["assert Stack().push(3).push(4).peek() == 4"]})
     assert code_agent.grader.grade(stack, problem) == 1.0
     assert code_agent.grader.grade(stack.replace("[-1]", "[0]"), problem) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A program that talks to the policy (an agent CLI) runs in the sandbox too: its only way out is its own session
+
+IN_SANDBOX_CLIENT = """
+import os, socket, openai
+c = openai.OpenAI(base_url=os.environ["BASE"], api_key=os.environ["KEY"], max_retries=0)
+hi = [{"role": "user", "content": "hi"}]
+r = c.chat.completions.create(model="m", messages=hi, max_tokens=4)
+hi += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+chunks = list(c.chat.completions.create(model="m", messages=hi, max_tokens=4, stream=True))
+print("answered", r.usage.completion_tokens, len(chunks))
+for port in (int(os.environ["OTHER"]), int(os.environ["DIRECT"])):
+    try:
+        socket.create_connection(("127.0.0.1", port), 2)
+        print("reached", port)
+    except OSError:
+        print("refused", port)
+open("made.txt", "w").write("x")
+try:
+    open(os.environ["OUTSIDE"], "w").write("x")
+except OSError:
+    print("outside refused")
+"""
+
+
+def test_a_sandboxed_client_reaches_its_session_through_the_relay_and_nothing_else(engine, tiny, tmp_path):
+    """run_program with the session's relay (an agent CLI's way to the policy): inside, the session's base_url answers
+    a turn and a streamed follow-up on one recorded segment (the host's session shows them); a host TCP listener and
+    the server's own TCP port (another port than the relay's) are unreachable, both checked from the host; a file made
+    in the work directory is there afterwards, one outside it is not."""
+    from test_server import Server
+    work, outside, seen = tmp_path / "work", tmp_path / "outside.txt", []
+    work.mkdir()
+    other = socket.create_server(("127.0.0.1", 0))
+    other.settimeout(0.1)
+
+    async def main():
+        async with Server(engine, tiny) as srv:
+            relay_port = 4000 if srv.pool.server.port != 4000 else 4001  # inside, the relay's: any port will do
+            base = srv.ctx.base_url.replace(f":{srv.pool.server.port}/", f":{relay_port}/")
+            env = {"BASE": base, "KEY": srv.ctx.api_key, "OTHER": other.getsockname()[1],
+                   "DIRECT": srv.pool.server.port, "OUTSIDE": str(outside)}
+            result = await asyncio.to_thread(sandbox.run_program, [sys.executable, "-I", "-c", IN_SANDBOX_CLIENT],
+                                             str(work), 60, (relay_port, srv.ctx.socket), env)
+            return result, srv.session
+    (out, err, code, stopped), session = run(main())
+    with contextlib.suppress(OSError):
+        seen.append(other.accept())
+    other.close()
+    text = out.decode()
+    assert code == 0 and not stopped, err.decode()[-2000:]
+    assert text.startswith("answered ") and len(session.segments) == 1 and 0 < sum(session.segments[0].mask) <= 8
+    assert text.count("refused") == 3 and "reached" not in text and not seen  # (the host's listener saw nobody)
+    assert (work / "made.txt").read_text() == "x" and not outside.exists()

@@ -180,14 +180,15 @@ def test_n_choices_after_earlier_turns_each_extend_the_conversation_not_each_oth
 
 def test_a_sessions_refused_answers_are_counted_in_its_episode(engine, tiny):
     """Each 4xx (and 5xx) a session answers is counted (server/4xx, server/5xx in the episode's info); an answered
-    turn is not."""
+    turn is not; every request read is (server/requests: an agent CLI's turn count)."""
     async def main():
         async with Server(engine, tiny) as srv:
             bad = [await srv.post("/v1/chat/completions", {"messages": "hi"}),
                    await srv.post("/v1/messages", {"messages": HELLO})]  # no max_tokens
             await srv.openai().chat.completions.create(model="m", messages=HELLO, max_tokens=2)
-            return [status for status, _ in bad], dict(srv.session.errors)
-    assert run(main()) == ([400, 400], {"server/4xx": 2, "server/5xx": 0, "server/tools_dropped": 0})
+            return [status for status, _ in bad], dict(srv.session.counts)
+    assert run(main()) == ([400, 400], {"server/requests": 3, "server/4xx": 2, "server/5xx": 0,
+                                        "server/tools_dropped": 0})
 
 
 def test_response_format_and_template_switches_reach_the_engine(engine, tiny):
