@@ -7,14 +7,20 @@ Contenders, each timed alone and in turn every round (medians over rounds):
   root the drop to the sandbox uid);
 - the 20 MBPP-style problems of examples/code_mbpp_style.jsonl graded the way MBPP's own harness does it (solution,
   set-up and assertions exec'd in one bare subprocess, where the solution could forge any of them), then by
-  rewards/code_grader.py (the solution's calls in its sandbox, the comparison in a second one).
+  rewards/code_grader.py (the solution's calls in its sandbox, the comparison in a second one);
+- each agent CLI's start (`--version`: Codex CLI, Claude Code, opencode, installed by scripts/setup.sh) bare, then
+  through sandbox.run_program as agents/cli.py runs it (a work directory given to the sandbox uid, the relay's Python
+  parent listening for the session).
 Prints each median in milliseconds and the ratio to its baseline.
 """
 import argparse
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +44,15 @@ def mbpp_harness(rows):
                         *label["test_list"]]))
 
 
+def in_sandbox(binary: str, relay: str):
+    work = tempfile.mkdtemp()
+    try:
+        sandbox.run_program([binary, "--version"], work, 60, (4000, relay), {"PATH": "/usr/bin:/bin"}, b"",
+                            [os.path.dirname(binary)])
+    finally:
+        shutil.rmtree(work)
+
+
 def timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -53,6 +68,13 @@ def main(args):
         "MBPP harness, 20 problems": lambda: mbpp_harness(rows),
         "code_grader, 20 problems": lambda: [grader.grade(r["solution"], p) for r, p in zip(rows, problems)],
     }
+    relay = tempfile.mkdtemp() + "/s"  # (never connected to: --version asks nothing)
+    pairs = [("sandbox.run_python", "bare python"), ("code_grader, 20 problems", "MBPP harness, 20 problems")]
+    for cli in ("codex", "claude", "opencode"):
+        binary = os.path.realpath(ROOT / ".venv" / "clis" / "node_modules" / ".bin" / cli)
+        contenders[f"{cli} --version"] = lambda b=binary: subprocess.run([b, "--version"], capture_output=True)
+        contenders[f"{cli} --version, run_program"] = lambda b=binary: in_sandbox(b, relay)
+        pairs.append((f"{cli} --version, run_program", f"{cli} --version"))
     for fn in contenders.values():  # warm-up: imports, the checker's worker, page cache
         fn()
     times = {name: [] for name in contenders}
@@ -60,7 +82,7 @@ def main(args):
         for name, fn in contenders.items():
             times[name].append(timed(fn))
     median = {name: statistics.median(t) for name, t in times.items()}
-    for name, base in [("sandbox.run_python", "bare python"), ("code_grader, 20 problems", "MBPP harness, 20 problems")]:
+    for name, base in pairs:
         print(f"{name}: {median[name]:.1f} ms, {base}: {median[base]:.1f} ms, ratio {median[name] / median[base]:.2f}")
 
 

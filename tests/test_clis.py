@@ -5,10 +5,12 @@ field each sends is in a conformance list with Molt's handling; every request is
 caps what each asks; what the model saw is checked in the recorded tokens."""
 import asyncio
 import dataclasses
+import itertools
 import json
 import os
 import re
 import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -19,7 +21,8 @@ from conftest import run
 from test_server import Server
 
 pytestmark = pytest.mark.slow
-BIN = Path(__file__).resolve().parent.parent / ".venv" / "clis" / "node_modules" / ".bin"
+ROOT = Path(__file__).resolve().parent.parent
+BIN = ROOT / ".venv" / "clis" / "node_modules" / ".bin"
 CAP = 16  # the run's max_tokens
 LONG = {"data.max_len": 40960}
 
@@ -138,7 +141,7 @@ def test_a_stock_cli_at_its_defaults_gets_every_request_answered_and_its_max_tok
 # ---------------------------------------------------------------------------------------------------------------
 # agents/cli.py: each CLI runs in the sandbox, its only way out the episode's session
 
-cli_agent = molt.import_path(str(Path(__file__).resolve().parent.parent / "agents" / "cli.py"))
+cli_agent = molt.import_path(str(ROOT / "agents" / "cli.py"))
 SHELL = {"codex": ("exec_command", "cmd"), "claude": ("Bash", "command"), "opencode": ("bash", "command")}
 
 
@@ -170,3 +173,26 @@ def test_a_cli_agent_runs_the_policys_command_in_the_sandbox(qwen3, cli, tmp_pat
     assert not outside.exists() and (Path(work) / "leak.txt").read_text() == ""
     assert session.counts["server/requests"] >= 1 and session.counts["server/4xx"] == session.counts["server/5xx"] == 0
     subprocess.run(["rm", "-rf", work], check=True)
+
+
+def test_the_codex_agent_trains_two_steps_on_a_real_template(tmp_path):
+    """molt.py --agent agents/cli.py (Codex at its defaults, in the sandbox) on tiny:qwen3, 2 steps: every request of
+    every episode answered (0 4xx, 0 5xx), samples from every episode, each reply cut at --rollout.max-new-tokens
+    (64; Codex asks for no cap), and the trainer's log-probs of them the engine's."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "molt.py", "--agent", "agents/cli.py", "--model", "tiny:qwen3", "--steps",
+                           "2", "--run-dir", str(run_dir), "--dump-samples"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["server/4xx"] == m["server/5xx"] == 0 and m["server/requests"] >= 1 for m in metrics)
+    assert all(m["rollout/logprob_gap"] < 1e-3 for m in metrics)
+    samples = [json.loads(line) for f in sorted((run_dir / "samples").iterdir()) for line in open(f)]
+    assert len({s["rollout_id"] for s in samples}) == sum(m["episodes"] for m in metrics)  # each episode trained
+    assert all(0 < sum(s["mask"]) and all(len(r) <= 64 for r in runs(s["mask"])) for s in samples)
+
+
+def runs(mask: list[int]) -> list[list[int]]:
+    """The mask's runs of trained tokens (one per reply)."""
+    return [list(g) for k, g in itertools.groupby(mask) if k]
