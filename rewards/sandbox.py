@@ -31,6 +31,9 @@ SandboxError: an infrastructure failure is never reported as the program's own f
     run_python(code)                        -> what a model should see: stdout, or the error
     run_python(code, with_images=True)      -> (that text, the PNG images the code saved, size-checked)
     run(source, stdin, timeout, side=True)  -> (stdout, stderr, side channel bytes, exit code, why it was stopped)
+    run_program(argv, workdir, timeout, relay=(port, socket))
+                                            -> (stdout, stderr, exit code, why it was stopped): a program (an agent
+                                               CLI) with a writable work directory, reaching only the relayed server
     SandboxWorker(setup), WorkerPool(setup, n) -> warm sandboxed processes that run the setup's handler(request) in
                                                a fresh fork per call, with a hard deadline (the graders' workers)
 """
