@@ -571,6 +571,21 @@ MUTATIONS = [
     ("named-tool-first", "tool_choice: a call forced by name is written for the first tool offered",
      "    return name\n\n\ndef _response_format(", "    return names[0]\n\n\ndef _response_format(",
      [f"{RS}::test_the_second_case_of_a_chain_instructions_items_storage_and_tools"]),
+    # -- added with the agent CLIs (#50) and the trained-positions head ---------------------------------------------
+    ("program-host-network", "sandbox: a program shares the host's network (an agent CLI reaches any host port)",
+     '"--unshare-pid", "--unshare-net",', '"--unshare-pid",',
+     [f"{SE}::test_a_sandboxed_client_reaches_its_session_through_the_relay_and_nothing_else"], SANDBOX),
+    ("shared-split-specials", "text is text: content's special spellings flip split_special_tokens on the shared "
+     "tokenizer (another thread's template loses its specials)",
+     'self.literal(part, add_special_tokens=False)["input_ids"]',
+     'self.tokenizer(part, add_special_tokens=False, split_special_tokens=True)["input_ids"]',
+     [f"{SE}::test_content_marked_on_one_thread_never_splits_the_template_tokenized_on_another"]),
+    ("packed-need-padded", "forward consistency: packed rows take the head at the padded layout's positions",
+     'need = packed(F.pad(mb["mask"], (0, 1)), mb)[:, :-1] > 0', 'need = mb["mask"] > 0',
+     [f"{TR}::test_a_packed_micro_batch_computes_what_the_padded_one_does"]),
+    ("max-tokens-raised", "wires: a client's max_tokens above the run's replaces the run's cap",
+     's.ep.sampling.get("max_tokens"))), default=None)}', '0)), default=None)}',
+     [f"{SV}::test_the_runs_max_tokens_caps_what_a_client_asks_and_a_smaller_ask_is_honoured"]),
 ]
 
 
