@@ -33,7 +33,8 @@ sandbox = molt.import_path(str(HERE.parent / "rewards" / "sandbox.py"))
 BIN = HERE.parent / ".venv" / "clis" / "node_modules" / ".bin"
 TASKS = HERE.parent / "examples" / "cli_tasks.jsonl"
 DEFAULTS = {"data.path": str(TASKS), "data.max_len": 40960, "rollout.max_new_tokens": 64, "rollout.batch_size": 2,
-            "rollout.n_samples_per_prompt": 2}
+            "rollout.n_samples_per_prompt": 2,
+            "train.micro_batch_size": 1}  # the CLIs' prompts are 8-12k tokens: on CPU, attention holds [T, T] a sample
 HOME = sandbox.WORK
 PATH = "/usr/bin:/bin"
 
