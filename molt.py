@@ -2767,7 +2767,8 @@ class LoopbackServer:
             self.port, self._runner = self._listener.sockets[0].getsockname()[1], runner
             # the same server on a unix socket, the way in for a client in the sandbox (no network there): its
             # directory searchable and the socket writable by a sandbox uid; a session's key still guards each request
-            folder = tempfile.mkdtemp(prefix="molt-loopback-")
+            sweep_loopback_folders()
+            folder = tempfile.mkdtemp(prefix=f"molt-loopback-{os.getpid()}-")
             os.chmod(folder, 0o711)
             self._unix = await asyncio.get_running_loop().create_unix_server(guarded, f"{folder}/s")
             self.socket = f"{folder}/s"
@@ -6019,6 +6020,19 @@ def record_placement(cfg: Config, actors: dict):
     if len(nodes) > 1:
         print(f"[molt] {len(nodes)} nodes: " + "; ".join(f"{k[:8]} ({v['ip']}) {', '.join(v['actors'])}"
                                                         for k, v in nodes.items()), file=sys.stderr)
+
+
+def sweep_loopback_folders():
+    """The unix-socket folders of servers whose process died unstopped (a killed run or actor): this user's only, and
+    never through a link someone else made."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        parts, path = name.split("-"), os.path.join(root, name)
+        if name.startswith("molt-loopback-") and len(parts) > 3 and parts[2].isdigit() and \
+                not os.path.exists(f"/proc/{parts[2]}"):
+            st = os.lstat(path)
+            if st.st_uid == os.getuid() and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
 
 
 class GuardedConnection(asyncio.Protocol):

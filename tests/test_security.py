@@ -1257,3 +1257,22 @@ def test_a_sandboxed_client_reaches_its_session_through_the_relay_and_nothing_el
     assert text.startswith("answered ") and len(session.segments) == 1 and 0 < sum(session.segments[0].mask) <= 8
     assert text.count("refused") == 3 and "reached" not in text and not seen  # (the host's listener saw nobody)
     assert (work / "made.txt").read_text() == "x" and not outside.exists()
+
+
+def test_the_loopback_sweep_removes_only_dead_servers_folders_never_through_a_link(tmp_path, monkeypatch):
+    """A server killed unstopped leaves its unix-socket folder (84 after a full suite run before the sweep): the next
+    server's start removes those whose process is gone; a live server's stays, and a stray link of a dead pid is left
+    with what it points at."""
+    monkeypatch.setattr(molt.tempfile, "gettempdir", lambda: str(tmp_path))
+    dead = 2 ** 22 + 1  # above pid_max's default ceiling: no such process
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "keep").write_text("x")
+    for name in (f"molt-loopback-{dead}-a", f"molt-loopback-{os.getpid()}-b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "s").write_text("")
+    (tmp_path / f"molt-loopback-{dead}-link").symlink_to(target)
+    molt.sweep_loopback_folders()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["target", f"molt-loopback-{os.getpid()}-b", f"molt-loopback-{dead}-link"])
+    assert (target / "keep").read_text() == "x"
