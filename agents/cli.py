@@ -68,8 +68,8 @@ CLIS = {"codex": codex, "claude": claude, "opencode": opencode}  # -> (arguments
 def load_data(spec: str, cfg, evaluation: bool) -> list[dict]:
     """The task rows, each label carrying --env.args (the CLI and its settings), checked here: a wrong name fails the
     launch, not every episode."""
-    args = json.loads(cfg.env.args or "{}")
-    if args.get("cli", "codex") not in CLIS:
+    args = {"cli": "codex", "timeout": 600, **json.loads(cfg.env.args or "{}")}
+    if args["cli"] not in CLIS:
         raise molt.UsageError(f"--env.args cli must be one of {sorted(CLIS)}, got {args['cli']!r}")
     binary = binary_of(args)
     if not os.access(binary, os.X_OK):
@@ -80,7 +80,7 @@ def load_data(spec: str, cfg, evaluation: bool) -> list[dict]:
 
 
 def binary_of(args: dict) -> str:
-    return os.path.realpath(args.get("binary") or BIN / args.get("cli", "codex"))
+    return os.path.realpath(args.get("binary") or BIN / args["cli"])
 
 
 def prepare(work: str, files: dict):
@@ -97,16 +97,15 @@ class CLIAgent(ChatAgent):
     async def run(self, ctx) -> Result:
         label, work = ctx.label, os.path.realpath(tempfile.mkdtemp(prefix="molt-cli-"))
         args = label["cli"]
-        make, binary = CLIS[args.get("cli", "codex")], binary_of(args)
+        make, binary = CLIS[args["cli"]], binary_of(args)
         relay = (urlsplit(ctx.base_url).port, ctx.socket)
         try:
             prepare(work, label.get("files", {}))
-            code = None
             for i, text in enumerate([ctx.prompt, *label.get("followups", [])]):
                 argv, env, files = make(ctx, i > 0, text)
                 prepare(work, files)
                 _, _, code, _ = await asyncio.to_thread(
-                    sandbox.run_program, [binary, *argv], work, float(args.get("timeout", 600)), relay,
+                    sandbox.run_program, [binary, *argv], work, float(args["timeout"]), relay,
                     {"PATH": PATH, **env}, b"", [os.path.dirname(binary)])
             _, _, passed, _ = await asyncio.to_thread(sandbox.run_program, ["/bin/sh", "-c", label["check"]], work,
                                                       60.0, None, {"PATH": PATH})

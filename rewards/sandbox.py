@@ -247,6 +247,7 @@ def _sweep_cgroups():
                     os.rmdir(os.path.join(parent, name))
 
 
+@functools.lru_cache(maxsize=1)
 def cgroup_caps() -> set[str]:
     """Which whole-sandbox caps this host lets Molt set: a subset of {"pids", "memory"}."""
     made = _make_cgroups()
@@ -530,10 +531,16 @@ def run(source: str, stdin: bytes = b"", timeout: float = TIMEOUT, side: bool | 
     extra = [a for k, v in (env or {}).items() for a in ("--setenv", k, str(v))]
     out, err, back, code, stopped = _run([sys.executable, "-I", "-c", PROLOGUE + source], stdin, timeout, extra,
                                          3 if side else None, SIDE_BYTES if side is True else int(side))
+    return out, _started(err, code, stopped), back, code, stopped
+
+
+def _started(err: bytes, code: int | None, stopped: str) -> bytes:
+    """stderr after the sandboxed Python's first write; SandboxError where it never came (bwrap refused, the
+    interpreter out of reach): that is no program's failure."""
     if not err.startswith(STARTED):
         raise SandboxError(f"the sandbox did not start ({stopped or f'exit code {code}'}): "
                            f"{err.decode(errors='replace').strip()[-600:]}")
-    return out, err[len(STARTED):], back, code, stopped
+    return err[len(STARTED):]
 
 
 # A program run by a Python parent (its first write tells the sandbox started) that exits with the program's status.
@@ -577,8 +584,8 @@ def run_program(argv: list[str], workdir: str, timeout: float, relay: tuple[int,
     environment. relay (port, host unix socket): inside, 127.0.0.1:port leads to that socket (the episode's loopback
     session) and nothing else does. shared: host directories it may read, at their own paths (the program's
     installation, where this Python's does not hold it). It may take file locks (an agent CLI's SQLite state needs
-    them). The whole sandbox is capped at MEMORY by its cgroup (where none can be made, each
-    process's address space at 4 x MEMORY); its CPU seconds at the timeout.
+    them). The whole sandbox is capped at MEMORY by its cgroup (where none can be made, each process's address space
+    at 4 x MEMORY); its CPU seconds at the timeout.
     -> (stdout, stderr, exit code or None, why it was stopped or ""). Raises SandboxError when the sandbox itself did
     not start."""
     require()
@@ -590,18 +597,10 @@ def run_program(argv: list[str], workdir: str, timeout: float, relay: tuple[int,
     program = [sys.executable, "-I", "-c", PROLOGUE + RELAY, str(port), f"{RELAYED}/{os.path.basename(path)}", *argv]
     limits = [(resource.RLIMIT_CPU, int(timeout) + 1), (resource.RLIMIT_FSIZE, 64 << 20),
               (resource.RLIMIT_NOFILE, PROGRAM_FILES), (resource.RLIMIT_CORE, 0)]
-    limits += [] if "memory" in _caps() else [(resource.RLIMIT_AS, 4 * MEMORY)]
+    limits += [] if "memory" in cgroup_caps() else [(resource.RLIMIT_AS, 4 * MEMORY)]
     out, err, _, code, stopped = _run(program, stdin, timeout, extra, limits=limits, binds=binds,
                                       processes=PROGRAM_PROCESSES, home=WORK, locks=True)
-    if not err.startswith(STARTED):
-        raise SandboxError(f"the sandbox did not start ({stopped or f'exit code {code}'}): "
-                           f"{err.decode(errors='replace').strip()[-600:]}")
-    return out, err[len(STARTED):], code, stopped
-
-
-@functools.lru_cache(maxsize=1)
-def _caps() -> set[str]:
-    return cgroup_caps()
+    return out, _started(err, code, stopped), code, stopped
 
 
 _CHECKED: list = []
