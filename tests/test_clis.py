@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -148,9 +149,9 @@ SHELL = {"codex": ("exec_command", "cmd"), "claude": ("Bash", "command"), "openc
 @pytest.mark.parametrize("cli", ["codex", "claude", "opencode"])
 def test_a_cli_agent_runs_the_policys_command_in_the_sandbox(qwen3, cli, tmp_path, monkeypatch):
     """The policy (guided to call the CLI's own shell tool) runs a command that marks the work directory, writes a
-    host path outside it, copies a host file and then kills its CLI (the episode ends there). Checked from the host: the mark is in
-    the work directory (the command ran, through the CLI, inside), the outside path was never written, the copy is
-    empty, and every request the CLI made was answered (the relay carried them)."""
+    host path outside it, copies a host file and then kills its CLI (the episode ends there). Checked from the host:
+    the mark is in the work directory (the command ran, through the CLI, inside), the outside path was never written,
+    the copy is empty, and every request the CLI made was answered (the relay carried them)."""
     path, engine = qwen3
     secret, outside = tmp_path / "secret.txt", tmp_path / "outside.txt"
     secret.write_text("host secret")
@@ -169,10 +170,12 @@ def test_a_cli_agent_runs_the_policys_command_in_the_sandbox(qwen3, cli, tmp_pat
             return await cli_agent.CLIAgent().run(ctx), srv.session
     result, session = run(main())
     [work] = works
-    assert (Path(work) / "ran.txt").read_text() == "ran\n" and result.reward == 1.0
-    assert not outside.exists() and (Path(work) / "leak.txt").read_text() == ""
+    ran, leaked = (Path(work, name).read_text() if Path(work, name).exists() else None for name in ("ran.txt",
+                                                                                                   "leak.txt"))
+    shutil.rmtree(work)
+    assert ran == "ran\n" and result.reward == 1.0
+    assert not outside.exists() and leaked == ""
     assert session.counts["server/requests"] >= 1 and session.counts["server/4xx"] == session.counts["server/5xx"] == 0
-    subprocess.run(["rm", "-rf", work], check=True)
 
 
 def test_the_codex_agent_trains_two_steps_on_a_real_template(tmp_path):
@@ -190,9 +193,5 @@ def test_the_codex_agent_trains_two_steps_on_a_real_template(tmp_path):
     assert all(m["rollout/logprob_gap"] < 1e-3 for m in metrics)
     samples = [json.loads(line) for f in sorted((run_dir / "samples").iterdir()) for line in open(f)]
     assert len({s["rollout_id"] for s in samples}) == sum(m["episodes"] for m in metrics)  # each episode trained
-    assert all(0 < sum(s["mask"]) and all(len(r) <= 64 for r in runs(s["mask"])) for s in samples)
-
-
-def runs(mask: list[int]) -> list[list[int]]:
-    """The mask's runs of trained tokens (one per reply)."""
-    return [list(g) for k, g in itertools.groupby(mask) if k]
+    assert all(0 < sum(s["mask"]) for s in samples)
+    assert all(len(list(reply)) <= 64 for s in samples for trained, reply in itertools.groupby(s["mask"]) if trained)
