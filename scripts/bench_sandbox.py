@@ -84,6 +84,7 @@ def main(args):
     median = {name: statistics.median(t) for name, t in times.items()}
     for name, base in pairs:
         print(f"{name}: {median[name]:.1f} ms, {base}: {median[base]:.1f} ms, ratio {median[name] / median[base]:.2f}")
+    shutil.rmtree(os.path.dirname(relay))
 
 
 if __name__ == "__main__":
