@@ -93,22 +93,32 @@ def ray_cluster():
 
 class Engines:
     """The session's engines, one per model and engine options, started on first use. The tiny model's plain engine
-    stays up for the whole session (nearly every file uses it); of the others only the latest stays up, the next one
-    stopping it first (test files use one other model each): at most two run at once, about 1 GB each."""
+    stays up for the whole session (nearly every file uses it); of the others only the one asked for last stays up
+    (test files use one other model at a time), and the one named as `then`, started ahead so it loads while this
+    one serves: at most three run at once, about 1 GB each."""
 
     def __init__(self, ray, tiny: str):
-        self.ray, self.up, self.kept = ray, {}, (tiny, ())
+        self.ray, self.up, self.kept = ray, {}, (tiny, ())  # key -> (engine, ref that resolves once it is ready)
 
-    def get(self, path: str, **options):
+    def launch(self, path: str, options: dict) -> tuple:
         key = (path, tuple(sorted(options.items())))
         if key not in self.up:
-            for other in [k for k in self.up if k != self.kept]:
-                self.ray.kill(self.up.pop(other))
-            self.up[key] = molt.start_engines(small_config(**options), path)[0]
-        return self.up[key]
+            engines, ready = molt.launch_engines(small_config(**options), path)
+            self.up[key] = engines[0], ready[0]
+        return key
+
+    def get(self, path: str, then: str | None = None, **options):
+        key = self.launch(path, options)
+        for other in [k for k in self.up if k not in (self.kept, key)]:
+            self.ray.kill(self.up.pop(other)[0])
+        engine, ready = self.up[key]
+        self.ray.get(ready, timeout=600)
+        if then:
+            self.launch(then, {})
+        return engine
 
     def stop(self):
-        for e in self.up.values():
+        for e, _ in self.up.values():
             self.ray.kill(e)
         self.up = {}
 

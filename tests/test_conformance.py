@@ -163,9 +163,10 @@ def vllm_serve(tiny, tmp_path_factory):
     yield from serve(tiny, tmp_path_factory, "--tool-call-parser", "hermes")
 
 
-def serve(model, tmp_path_factory, *parsers):
+def start_serve(model, tmp_path_factory, *parsers) -> tuple:
     """vLLM's own API server on a model, in float32 like Molt's CPU engine, serving it under Molt's name, with the
-    given parser flags (and its Responses store on: previous_response_id and retrieval need it)."""
+    given parser flags (and its Responses store on: previous_response_id and retrieval need it); not waited for.
+    -> (process, port, log)"""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -181,6 +182,12 @@ def serve(model, tmp_path_factory, *parsers):
                                                                "VLLM_ENABLE_RESPONSES_API_STORE": "1",
                                                                # the engine in the server's process: 10 s sooner up
                                                                "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    return proc, port, log
+
+
+def serve(model, tmp_path_factory, *parsers, started: tuple | None = None):
+    """start_serve's server (or the one started), once it answers: yields its URL, and stops it after."""
+    proc, port, log = started or start_serve(model, tmp_path_factory, *parsers)
     url, t0 = f"http://127.0.0.1:{port}", time.time()
     try:
         while True:

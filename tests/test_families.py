@@ -14,11 +14,26 @@ from test_server import CITY, TOOL, WEATHER, Server, trainer_logprobs
 FAMILIES = ["qwen3", "llama3.1", "deepseek-v3", "mistral", "gpt-oss"]
 
 
+SERVES = {}  # family -> its `vllm serve`, started with the family's tests so it loads while they run
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
-def family(request, engines):
-    """(family, model path, engine): the session's engine of the family (the next family's stops it)."""
-    path = molt.resolve_model("tiny:" + request.param)
-    return request.param, path, engines.get(path)
+def family(request, engines, tmp_path_factory):
+    """(family, model path, engine): the session's engine of the family (the next family's stops it). The next
+    family's engine and this family's `vllm serve` (where its comparison runs) start now and load while the
+    family's other tests run."""
+    name = request.param
+    path, later = molt.resolve_model("tiny:" + name), FAMILIES[FAMILIES.index(name) + 1:]
+    engine = engines.get(path, then=molt.resolve_model("tiny:" + later[0]) if later else None)
+    if any(i.originalname == "test_each_family_answers_like_vllm_serve_with_the_same_parsers"
+           and i.callspec.params["family"] == name for i in request.session.items):
+        from test_conformance import start_serve
+        SERVES[name] = start_serve(path, tmp_path_factory, *serve_flags(path))
+    yield name, path, engine
+    if name in SERVES:  # its comparison did not run
+        proc = SERVES.pop(name)[0]
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def test_the_family_model_carries_its_real_tokenizer_and_template(family):
@@ -513,10 +528,7 @@ def test_each_family_answers_like_vllm_serve_with_the_same_parsers(family, tmp_p
     turn, streamed and not. Every difference is listed in FAMILY_DIFFERENCES with its reason."""
     from test_conformance import answers, serve
     name, path, engine = family
-    parsers = molt.ReplyParser(molt.ServerConfig(), molt.Codec(path).tokenizer)
-    tool, reasoning = parsers.tool, parsers.reasoning
-    flags = ["--tool-call-parser", tool] + (["--reasoning-parser", reasoning] if reasoning != "none" else [])
-    for url in serve(path, tmp_path_factory, *flags):
+    for url in serve(path, tmp_path_factory, *serve_flags(path), started=SERVES.pop(name, None)):
         res = {wire: run(answers(engine, path, url, wire, reqs)) for wire, reqs in family_requests().items()}
     found = differences(res) - _extras()  # vLLM's extension keys where they occur (test_conformance lists them)
     want = FAMILY_DIFFERENCES[name] | FAMILY_DIFFERENCES["all"]
@@ -524,6 +536,13 @@ def test_each_family_answers_like_vllm_serve_with_the_same_parsers(family, tmp_p
              for d in sorted(found ^ want)]  # each unlisted or vanished difference, with Molt's and vLLM's values
     assert found == want, shown
     assert res["openai"]["plain"][2]["finish"] == ["length"]  # the comparison has teeth: sampled text compared
+
+
+def serve_flags(path: str) -> list:
+    """vllm serve's parser flags for the parsers Molt picked for a model."""
+    parsers = molt.ReplyParser(molt.ServerConfig(), molt.Codec(path).tokenizer)
+    tool, reasoning = parsers.tool, parsers.reasoning
+    return ["--tool-call-parser", tool] + (["--reasoning-parser", reasoning] if reasoning != "none" else [])
 
 
 def _extras() -> set:
