@@ -153,7 +153,10 @@ def test_chunked_logprobs_equal_the_whole_logits_and_never_hold_them(monkeypatch
     out = {}
     for pack in (False, True):
         mb = molt.collate(samples, [0, -1, 1, 2, 3, 4], None, torch.device("cpu"), 1.0, pack)
-        for chunk_mb in (0, 2):  # 2 MiB: 3 positions of 151,936 fp32 logits per chunk
+        # 10 MiB: 17 positions of 151,936 fp32 logits per chunk (11 chunks of the 186 trained). Not fewer rows: a
+        # head matmul of under 16 rows takes another BLAS kernel on some CPUs (AMD EPYC without AVX-512), whose
+        # 152k-term sums are 10x less exact (gradients 7-12e-6 off the float64 ones where both paths are 1.2e-6)
+        for chunk_mb in (0, 10):
             w = types.SimpleNamespace(model=model, image_token=None, media=[151_000],
                                       cfg=small_config(**{"train.logits_chunk_mb": chunk_mb}))
             model.zero_grad()
@@ -166,10 +169,10 @@ def test_chunked_logprobs_equal_the_whole_logits_and_never_hold_them(monkeypatch
                                                                          for k, p in model.named_parameters()})
             n = mb["pos"].shape[1] if pack else mb["ids"].numel()  # positions the model runs
             trained = int((mb["mask"] > 0).sum())
-            assert max(rows) == (n if chunk_mb == 0 else 3) and 3 < trained < n
+            assert max(rows) == (n if chunk_mb == 0 else 17) and 17 < trained < n
             assert sum(rows) == (n if chunk_mb == 0 else 2 * trained)
             assert any(s[-1] == V for s in kept) == (chunk_mb == 0)
-        whole, chunked = out[pack, 0], out[pack, 2]
+        whole, chunked = out[pack, 0], out[pack, 10]
         assert whole[0].abs().sum() > 0 and (whole[1] > 0).any()
         assert torch.allclose(whole[0], chunked[0], rtol=0, atol=1e-6)
         assert torch.allclose(whole[1], chunked[1], rtol=0, atol=1e-6)
@@ -181,7 +184,7 @@ def test_chunked_logprobs_equal_the_whole_logits_and_never_hold_them(monkeypatch
     mb = molt.collate(samples, [0, 1], None, torch.device("cpu"))
     with torch.no_grad():  # a forward without gradients (the old and reference log-probs) chunks too, once
         molt.step_logprobs(w, mb)
-    assert max(rows) == 3 and sum(rows) == int((mb["mask"] > 0).sum())
+    assert max(rows) == 17 and sum(rows) == int((mb["mask"] > 0).sum())
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
