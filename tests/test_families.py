@@ -22,11 +22,12 @@ def family(request, engines, tmp_path_factory):
     """(family, model path, engine): the session's engine of the family (the next family's stops it). The next
     family's engine and this family's `vllm serve` (where its comparison runs) start now and load while the
     family's other tests run."""
-    name = request.param
-    path, later = molt.resolve_model("tiny:" + name), FAMILIES[FAMILIES.index(name) + 1:]
+    name, path = request.param, molt.resolve_model("tiny:" + request.param)
+    selected = [i for i in request.session.items if i.path == request.path and "family" in i.fixturenames]
+    later = [f for f in FAMILIES[FAMILIES.index(name) + 1:] if any(i.callspec.params["family"] == f for i in selected)]
     engine = engines.get(path, then=molt.resolve_model("tiny:" + later[0]) if later else None)
-    if any(i.originalname == "test_each_family_answers_like_vllm_serve_with_the_same_parsers"
-           and i.callspec.params["family"] == name for i in request.session.items):
+    if any(i.originalname == test_each_family_answers_like_vllm_serve_with_the_same_parsers.__name__
+           and i.callspec.params["family"] == name for i in selected):
         from test_conformance import start_serve
         SERVES[name] = start_serve(path, tmp_path_factory, *serve_flags(path))
     yield name, path, engine
