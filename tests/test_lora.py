@@ -143,6 +143,20 @@ def test_chat_agents_on_both_wires_sample_through_the_adapter(ray_cluster, lora_
     assert (ours - engine)[mask].abs().max() < 1e-3 < (base - engine)[mask].abs().max()
 
 
+def test_the_tool_recipe_forces_its_calls_through_the_adapter(ray_cluster, lora_engine, tiny):
+    """agents/chat_tools.py (a ChatAgent over the OpenAI SDK, a forced calculator call guided, its result, free turns)
+    on an engine with an adapter, as a --train.lora-rank run makes its episodes: every forced call parsed, no request
+    answered 5xx, every trained token sampled through the adapter's version. (Training on such samples is the copy
+    task's LoRA runs' path: tests/test_lora.py's two-rank run and the SFT -> RL chain.)"""
+    from conftest import agent_groups
+    run(lora_engine.update.remote(adapter_source(ray_cluster, peft_policy(tiny, seed=6)), 40))
+    _, outs = agent_groups(lora_engine, tiny, "agents/chat_tools.py", "--train.lora-rank", 8)
+    samples = [s for o in outs for s in o.samples]
+    assert all(o.failures == {} for o in outs) and len({s.rollout_id for s in samples}) == 8
+    assert all(s.info["server/5xx"] == 0 and s.info["tools/forced_parsed"] == 1.0 for s in samples)
+    assert {v for s in samples for v, m in zip(s.versions, s.mask) if m} == {40}
+
+
 @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "embed_tokens"]])
 def test_merged_state_is_the_adapted_model(tiny, targets):
     """merge-on-save: W + alpha / r * B @ A in the base's names (an embedding's transposed) loads as a plain model
@@ -219,12 +233,11 @@ def test_a_lora_run_syncs_only_the_adapter_saves_peft_and_resumes_on_two_ranks(t
 
 
 @pytest.mark.slow
-def test_lora_sft_then_rl_from_its_adapter_and_a_chat_agent_trains_through_it(tmp_path):
+def test_lora_sft_then_rl_from_its_adapter(tmp_path):
     """--mode sft with LoRA (all-linear, the embeddings and the tied head: all-linear alone took the tiny model's
     loss from 4.85 to 3.66 in 40 steps) halves the loss and saves an adapter; RL takes that adapter as --model (with the rank):
     the engines start from its base and sample through it from the first token (step 1 is on-policy: engine and
-    trainer agree); the tool recipe (a ChatAgent over the OpenAI SDK, forced calls guided) runs on it with no server
-    failure."""
+    trainer agree). (The tool recipe through an adapter: test_the_tool_recipe_forces_its_calls_through_the_adapter.)"""
     from test_e2e import metrics, molt as run_molt
     rows = [{"messages": [{"role": "user", "content": f"secret {k}"}, {"role": "assistant", "content": w}]}
             for k, w in enumerate(["amber", "basil", "cedar", "delta"])]
@@ -240,6 +253,3 @@ def test_lora_sft_then_rl_from_its_adapter_and_a_chat_agent_trains_through_it(tm
     run_molt("--agent", "agents/copy.py", "--model", ckpt, "--run-dir", tmp_path / "rl", "--steps", 2,
              "--train.async-queue-size", 0, *lora)
     assert all(r["rollout/logprob_gap"] < 1e-3 for r in metrics(tmp_path / "rl"))
-    run_molt("--agent", "agents/chat_tools.py", "--run-dir", tmp_path / "tools", "--steps", 2, *lora)
-    m = metrics(tmp_path / "tools")
-    assert all(r["server/5xx"] == 0 and r["tools/forced_parsed"] == 1.0 for r in m)
