@@ -170,11 +170,10 @@ def test_a_cli_agent_runs_the_policys_command_in_the_sandbox(qwen3, cli, tmp_pat
             return await cli_agent.CLIAgent().run(ctx), srv.session
     result, session = run(main())
     [work] = works
-    ran, leaked = (Path(work, name).read_text() if Path(work, name).exists() else None for name in ("ran.txt",
-                                                                                                   "leak.txt"))
+    made = {name: Path(work, name).read_text() for name in ("ran.txt", "leak.txt") if Path(work, name).exists()}
     shutil.rmtree(work)
-    assert ran == "ran\n" and result.reward == 1.0
-    assert not outside.exists() and leaked == ""
+    assert made.get("ran.txt") == "ran\n" and result.reward == 1.0
+    assert not outside.exists() and made.get("leak.txt") == ""
     assert session.counts["server/requests"] >= 1 and session.counts["server/4xx"] == session.counts["server/5xx"] == 0
 
 
