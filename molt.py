@@ -1614,18 +1614,26 @@ def trie_pattern(words: list[str]) -> str:
     return pattern(trie)
 
 
+@functools.lru_cache(maxsize=8)
+def load_tokenizer(model_path: str, chat_template: str = "") -> tuple:
+    """(tokenizer, processor or None), loaded once per process and model (gpt-oss's took 2.6 s: transformers parses and
+    deep-copies it) and shared by its Codecs, which never change them; chat_template replaces the model's."""
+    from transformers import AutoTokenizer
+    processor = None
+    if is_vlm(model_path):  # (AutoProcessor imports torchvision and torch's compiler: VLMs only)
+        from transformers import AutoProcessor
+        processor = AutoProcessor.from_pretrained(model_path)
+    tokenizer = processor.tokenizer if processor else AutoTokenizer.from_pretrained(model_path)
+    for owner in filter(None, (tokenizer, processor) if chat_template else ()):  # --chat-template
+        owner.chat_template = chat_template
+    return tokenizer, processor
+
+
 class Codec:
     """Chat template, tokenizer and (for a VLM) processor of one model."""
 
     def __init__(self, model_path: str, chat_template: str = ""):
-        from transformers import AutoTokenizer
-        self.processor = None
-        if is_vlm(model_path):  # (AutoProcessor imports torchvision and torch's compiler: VLMs only)
-            from transformers import AutoProcessor
-            self.processor = AutoProcessor.from_pretrained(model_path)
-        self.tokenizer = self.processor.tokenizer if self.processor else AutoTokenizer.from_pretrained(model_path)
-        for owner in filter(None, (self.tokenizer, self.processor) if chat_template else ()):  # --chat-template
-            owner.chat_template = Path(chat_template).read_text()
+        self.tokenizer, self.processor = load_tokenizer(model_path, chat_template and Path(chat_template).read_text())
         # the n episodes of a group render and tokenize the same prompt: do each once (jinja rendering was a fifth of
         # an agent pool's time on the copy task)
         self.rendered, self.text_ids = TextCache(), TextCache()
@@ -1695,9 +1703,12 @@ class Codec:
             raise ValueError(f"the template's text does not line up with its tokens ({len(plain)} runs of text, "
                              f"{len(pieces)} pieces)")
         # the literal tokenizer keeps a special's spelling text; an added token that is not special is matched
-        # whatever it says, so each piece is tokenized apart at its marks
-        fresh = iter([t for part in p.split(MARK) for t in self.literal(part, add_special_tokens=False)["input_ids"]]
-                     for p in pieces)
+        # whatever it says, so each piece is tokenized apart at its marks: each distinct part once, in one batch (a
+        # hostile content of 300k spellings is 300k parts, tokenized one call each it held the event loop for 6 s)
+        parts = [p.split(MARK) for p in pieces]
+        distinct = list(dict.fromkeys(x for split in parts for x in split))
+        part_ids = dict(zip(distinct, self.literal(distinct, add_special_tokens=False)["input_ids"] if distinct else []))
+        fresh = iter([t for x in split for t in part_ids[x]] for split in parts)
         return [t for r in runs for t in (next(fresh) if r[0] not in self.special_ids else r)]
 
     @functools.cached_property

@@ -92,12 +92,12 @@ def test_an_earlier_turn_the_template_renders_differently_is_a_template_drift(co
     assert report["metrics"]["drift/unrendered"] == 0.0
 
 
-def test_a_template_that_cannot_render_the_conversation_back_costs_only_the_comparison(tiny):
+def test_a_template_that_cannot_render_the_conversation_back_costs_only_the_comparison(tiny, tmp_path):
     # Qwen3's template raises on a prefix without a user turn, which drift_cause renders to locate a difference
-    codec = molt.Codec(tiny)
-    codec.tokenizer.chat_template = ("{%- if messages | selectattr('role', 'equalto', 'user') | list | length == 0 -%}"
-                                     "{{ raise_exception('No user query found in messages.') }}{%- endif -%}"
-                                     + molt.CHATML_TEMPLATE)
+    template = tmp_path / "template.jinja"
+    template.write_text("{%- if messages | selectattr('role', 'equalto', 'user') | list | length == 0 -%}"
+                        "{{ raise_exception('No user query found in messages.') }}{%- endif -%}" + molt.CHATML_TEMPLATE)
+    codec = molt.Codec(tiny, str(template))
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}]
     seg = molt.Sample(rollout_id="r")
     seg.add_context(ids(codec, codec.render(msgs, enable_thinking=False)))
