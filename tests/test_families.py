@@ -610,8 +610,8 @@ def test_a_tool_agent_trains_then_syncs_on_each_family(family, ray_cluster, tmp_
     loader for it: every forced call parsed, no request answered 5xx, the trainer's log-probs of the trained tokens
     equal the engine's before the step, and after the sync the engine samples with exactly the trainer's weights.
     The viewer shows an episode token by token on the family's vocabulary. (The whole loop, subprocess and all, runs
-    once per wire: tests/test_e2e.py, tests/test_responses.py on tiny:qwen3.) Last of the family's tests: its engine's
-    weights change here, and are put back after."""
+    once per wire: tests/test_e2e.py; tests/test_clis.py's Codex run on tiny:qwen3 for Responses.) Last of the family's
+    tests: its engine's weights change here, and are put back after."""
     import ray
     from test_trainer import engine_gap
     from test_view import check_tokens, dumped, render, view

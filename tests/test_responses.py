@@ -263,7 +263,7 @@ def test_a_responses_agent_records_one_segment_per_episode_and_trains(engine, ti
     SDK's Runner, streamed, auto_previous_response_id) on the tiny engine, in process, as a run makes their episodes:
     a forced calculator call, its output by previous_response_id, free turns; no request refused or failed, every
     forced call parsed, one segment (one Sample) per episode, engine and trainer agreeing on every trained token, and a
-    training step on them. (The whole loop runs end to end below, on a real family.)"""
+    training step on them. (The whole loop of this wire runs end to end in tests/test_clis.py: Codex on tiny:qwen3.)"""
     cfg, outs = agent_groups(engine, tiny, f"agents/{agent}.py")
     samples = [s for o in outs for s in o.samples]
     assert all(o.failures == {} for o in outs) and len(samples) == len({s.rollout_id for s in samples}) == 8
@@ -276,21 +276,3 @@ def test_a_responses_agent_records_one_segment_per_episode_and_trains(engine, ti
     _, trainer = tiny_trainer  # (the session's: its weights have moved, it only shows the step runs)
     metrics = molt.learn(cfg, {"policy": trainer}, trained)
     assert all(v == v for v in metrics.values())  # (finite: a group that all scored alike moves nothing)
-
-
-@pytest.mark.slow
-def test_a_responses_agent_trains_two_steps_on_a_real_family(tmp_path):
-    """agents/chat_agents_sdk.py for 2 steps on tiny:qwen3, end to end (the one whole run of the Responses wire, and
-    of a real family): every forced call parsed, no request refused or failed, one segment per episode, engine and
-    trainer agree at every step."""
-    from test_e2e import metrics, molt as run_molt
-    # 4 samples per micro-batch: 16 rows of Qwen3's 152k-vocabulary logits at the recipe's 96 new tokens per turn are
-    # ~4 GB per copy, and the suite ran out of its 24 GiB (Ray's OOM killer took the trainer and a shared engine)
-    run_molt("--agent", "agents/chat_agents_sdk.py", "--model", "tiny:qwen3", "--steps", 2, "--run-dir", tmp_path / "r",
-             "--train.micro-batch-size", 4)
-    m = metrics(tmp_path / "r")
-    assert [x["step"] for x in m] == [1, 2]
-    assert all(x["server/5xx"] == 0 and x["server/4xx"] == 0 and x["tools/forced_parsed"] == 1.0 and
-               x["tools/calls"] >= 1 and x["samples"] == x["episodes"] for x in m)  # forced: over every episode
-    assert all(x["episodes/finished"] >= x["episodes"] for x in m)  # finished, trained or dropped
-    assert all(x["rollout/logprob_gap"] < 1e-3 for x in m)
