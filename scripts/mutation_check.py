@@ -49,7 +49,7 @@ MUTATIONS = [
      "self.mask += [int(sampled)] * len(ids)", "self.mask += [1] * len(ids)",
      [f"{AG}::test_env_engine_input_is_the_rendered_conversation_with_the_sampled_ids"]),
     ("history-check", "segments: an edited history is treated as a continuation",
-     "msgs[:n] != last or ", "",
+     "msgs[:n] != last and (last is None or", "False and (last is None or",
      [f"{AG}::test_a_rewritten_history_opens_a_token_exact_segment"]),
     # -- policy versions and staleness -----------------------------------------------------------------------------
     ("turn-versions", "versions: a Sample drops the engine's per-token versions",
@@ -324,8 +324,15 @@ MUTATIONS = [
      "content", "added = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items()}",
      "added = {i: t.content for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}",
      [f"{SE}::test_special_token_spellings_in_content_stay_text"]),
+    ("codec-template-on-shared", "token identity: a --chat-template is set on the tokenizer a model's other Codecs "
+     "share (they render with it)",
+     "        self.tokenizer, self.processor = load_tokenizer(model_path, chat_template and Path(chat_template).read_text())",
+     "        self.tokenizer, self.processor = load_tokenizer(model_path)\n"
+     "        self.tokenizer.chat_template = Path(chat_template).read_text() if chat_template else "
+     "self.tokenizer.chat_template",
+     [f"{AG}::test_codecs_of_one_model_share_its_tokenizer_but_not_a_chat_template"]),
     ("codec-rejoined-at-marks", "trust: content re-tokenized with its marks removed (a non-special added token "
-     "re-forms)", "for part in p.split(MARK) for t in", 'for part in [p.replace(MARK, "")] for t in',
+     "re-forms)", "parts = [p.split(MARK) for p in pieces]", 'parts = [[p.replace(MARK, "")] for p in pieces]',
      [f"{SE}::test_special_token_spellings_in_content_stay_text"]),
     ("grader-side-64mib", "availability: a code grade's side channel takes 64 MiB whatever its parts need",
      "side=len(parts) * (VALUE_BYTES + 1))", "side=True)",
@@ -577,8 +584,8 @@ MUTATIONS = [
      [f"{SE}::test_a_sandboxed_client_reaches_its_session_through_the_relay_and_nothing_else"], SANDBOX),
     ("shared-split-specials", "text is text: content's special spellings flip split_special_tokens on the shared "
      "tokenizer (another thread's template loses its specials)",
-     'self.literal(part, add_special_tokens=False)["input_ids"]',
-     'self.tokenizer(part, add_special_tokens=False, split_special_tokens=True)["input_ids"]',
+     'self.literal(distinct, add_special_tokens=False)["input_ids"]',
+     'self.tokenizer(distinct, add_special_tokens=False, split_special_tokens=True)["input_ids"]',
      [f"{SE}::test_content_marked_on_one_thread_never_splits_the_template_tokenized_on_another"]),
     ("packed-need-padded", "forward consistency: packed rows take the head at the padded layout's positions",
      'need = packed(F.pad(mb["mask"], (0, 1)), mb)[:, :-1] > 0', 'need = mb["mask"] > 0',

@@ -102,6 +102,20 @@ def test_the_codec_renders_what_the_template_renders_whatever_it_cached(tiny):
 
 
 @pytest.mark.core
+def test_codecs_of_one_model_share_its_tokenizer_but_not_a_chat_template(tiny, tmp_path):
+    """A model's tokenizer is loaded once per process and shared by its Codecs (molt.load_tokenizer): one built with
+    --chat-template renders with that template, and one built after it, without, with the model's own."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}")
+    msgs = [{"role": "user", "content": "copy: 7"}]
+    custom, plain, again = molt.Codec(tiny, str(template)), molt.Codec(tiny), molt.Codec(tiny)
+    assert custom.render(msgs) == "[user] copy: 7\n"
+    assert plain.render(msgs) == again.render(msgs) == tokenizer(tiny).apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True)
+    assert plain.tokenizer is again.tokenizer and custom.tokenizer is not plain.tokenizer
+
+
+@pytest.mark.core
 def test_env_engine_input_is_the_rendered_conversation_with_the_sampled_ids(engine, tiny):
     async def main():
         pool = make_pool(engine, tiny)
