@@ -12,6 +12,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from molt import RolloutManager, load_rows, lr_lambda, parse_config
+
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 # the 10 copy prompts, 4 groups of 2 per step (an epoch every 2.5 steps); a checkpoint every 2 steps
@@ -83,13 +85,24 @@ def trained(run_dir, step):
     return list(groups.values())
 
 
+def uninterrupted(*args) -> tuple[list, list]:
+    """What an uninterrupted synchronous run of these flags trains at each step, ((prompt index, epoch) of each group
+    in batch order, and its learning rate): the data's seeded order drawn a batch at a time by Molt's own
+    RolloutManager (with no filter every drawn group is trained), and the schedule's rate at each step."""
+    cfg = parse_config([str(a) for a in args])
+    manager = RolloutManager(cfg, load_rows(cfg.data.path, cfg.data, cfg), [])
+    b, schedule = cfg.rollout.batch_size, lr_lambda(cfg.train, cfg.steps)
+    draws = [manager.next_prompt() for _ in range(cfg.steps * b)]
+    return ([sorted(draws[i:i + b], key=lambda d: (d[1], d[0])) for i in range(0, len(draws), b)],
+            [cfg.train.lr * schedule(step) for step in range(cfg.steps)])
+
+
 def test_sync_run_killed_at_three_points_resumes_exactly(tmp_path):
-    """Synchronous mode: after each kill and --resume, every step trains the same prompts in the same order, with
-    the same learning rate, as an uninterrupted run of the same seed; metrics hold each step once."""
-    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    """Synchronous mode: after each kill and --resume, every step trains the prompts, in the order and with the
+    learning rate, of an uninterrupted run of the same seed; metrics hold each step once."""
+    broken = tmp_path / "broken"
     args = [*SMALL, "--steps", 9, "--train.async-queue-size", 0, "--train.lr-schedule", "linear",
             "--train.warmup-steps", 2]
-    molt("--run-dir", straight, *args)
     killed_at(broken, "rollout", *args, faults="rollout:step=3")  # waiting for step 3's batch (checkpoint: step 2)
     killed_at(broken, "train", "--resume", *args, faults="train:step=5")  # inside step 5's optimizer step (ckpt 4)
     # while writing step 6's checkpoint: its half-written directory must be ignored and removed
@@ -98,11 +111,10 @@ def test_sync_run_killed_at_three_points_resumes_exactly(tmp_path):
     proc = molt("--run-dir", broken, "--resume", *args)
     assert "resumed at step 4" in proc.stderr
     assert not list((broken / "checkpoints").glob(".step_*.tmp"))
-    a, b = metrics(straight), metrics(broken)
-    assert [r["step"] for r in b] == list(range(1, 10))  # cut back at each resume: every step once
-    for step in range(1, 10):
-        assert trained(broken, step) == trained(straight, step), step
-    assert [r["lr"] for r in b] == pytest.approx([r["lr"] for r in a])  # the schedule resumed where it was
+    m, (groups, rates) = metrics(broken), uninterrupted(*args)
+    assert [r["step"] for r in m] == list(range(1, 10))  # cut back at each resume: every step once
+    assert [trained(broken, step) for step in range(1, 10)] == groups
+    assert [r["lr"] for r in m] == pytest.approx(rates)  # the schedule resumed where it was
     assert json.loads((broken / "config.json").read_text())["steps"] == 9
 
 
