@@ -1614,7 +1614,7 @@ def trie_pattern(words: list[str]) -> str:
     return pattern(trie)
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=4)  # (a process uses one or two; the test session walks through the families)
 def load_tokenizer(model_path: str, chat_template: str = "") -> tuple:
     """(tokenizer, processor or None), loaded once per process and model (gpt-oss's took 2.6 s: transformers parses and
     deep-copies it) and shared by its Codecs, which never change them; chat_template replaces the model's."""
