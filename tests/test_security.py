@@ -732,6 +732,10 @@ def test_content_marked_on_one_thread_never_splits_the_template_tokenized_on_ano
     hostile, plain = codec.render(conversation("Score: 10" + every)), codec.render(conversation("x") * 20)
     want, stop, interval = codec.tokenizer(plain, add_special_tokens=False)["input_ids"], threading.Event(), \
         sys.getswitchinterval()
+    # marking leaves the shared tokenizer as it was: its Rust backend, called directly (no wrapper resets a flag
+    # first), still reads the template's specials. (One batched call per marking made the race below rare.)
+    codec.encode(hostile)
+    assert codec.tokenizer.backend_tokenizer.encode(plain, add_special_tokens=False).ids == want
 
     def marking():
         while not stop.is_set():
