@@ -369,6 +369,10 @@ VLLM_EXTRAS = {
     ("responses", "item.message"): (frozenset(), frozenset({"phase"})),  # vLLM's, null on these models
     ("responses", "item.function_call"): (frozenset(), frozenset({"async", "caller", "namespace"})),  # (the same)
 }
+# vLLM's stream coalesces tokens when its server falls behind (a loaded machine): the text before a stop string then
+# rides in the chunk that carries finish_reason, or in one before it (seen once in four whole-suite runs). Molt's own
+# sequence for it is checked on its own (an empty delta carries the finish).
+LOADED = {("openai", "stream stop", "sequence")}
 DELIBERATE = {
     # tool_choice none: Molt offers no tool (the template renders none); vLLM still renders them into the prompt
     ("openai", "tools none", "usage"), ("anthropic", "tools none", "usage"),
@@ -427,7 +431,7 @@ def test_molt_answers_like_vllms_own_server_but_for_listed_differences(engine, t
                 keys[(wire, kind)] = (old[0] | (x - y), old[1] | (y - x))
         fields |= {(wire, name, f) for f in set(mv) - {"kinds"} if mv[f] != vv.get(f)}
     assert keys == {k: v for k, v in VLLM_EXTRAS.items() if k[0] == wire}
-    assert fields == {d for d in DELIBERATE if d[0] == wire}
+    assert fields - LOADED == {d for d in DELIBERATE if d[0] == wire}
     # the comparison has teeth: the answers it found equal hold sampled text, finish reasons and stop strings
     plain, stop = res["plain"][2], res.get("stop found", [0, 0, {}])[2]
     if wire == "responses":  # the chain and the retrieval were compared too, and answered
@@ -438,6 +442,7 @@ def test_molt_answers_like_vllms_own_server_but_for_listed_differences(engine, t
     elif wire == "openai":
         assert plain["finish"] == ["length"] and len(plain["text"][0]) >= 5 and stop["finish"] == ["stop"]
         assert res["stream stop"][2]["text"] == stop["text"][0] and res["logprobs"][2]["logprobs"][0]
+        assert res["stream stop"][2]["sequence"][-1] == ((), "stop")  # Molt's, whatever vLLM's was (LOADED)
     else:
         assert plain["stop"] == ("max_tokens", None) and stop["stop"][0] == "stop_sequence" and stop["stop"][1]
         assert res["stream stop"][2]["stop"] == stop["stop"] and res["stream stop"][2]["text"] == stop["blocks"][0][1]
