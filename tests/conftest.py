@@ -232,22 +232,20 @@ def pytest_runtest_protocol(item, nextitem):
     if item.location[0] != COST["file"]:  # a new file: what the last one freed goes back to the system (the C heap
         import ctypes                     # keeps freed tokenizers and models otherwise: GBs over the session)
         import gc
-        gc.unfreeze()  # (molt.start_up froze what was alive when a test's pool was built: its cycles are freed here)
         gc.collect()
         ctypes.CDLL(None).malloc_trim(0)
-        # and what is alive now (the imports above all) is frozen out of later collections: each pool a test builds
-        # runs molt.start_up, whose full collection walked torch's, transformers' and vLLM's heap, 0.5 s every time
-        gc.freeze()
     COST["file"], t0 = item.location[0], time.time()
     COST["peak"][COST["file"]] = max(COST["peak"][COST["file"]], used_gb())
     try:
         return (yield)
     finally:
         # What a test's in-process pools leave reachable: aiohttp 3.14 caches each app's middleware chain by handler
-        # (1,024 of them), and a handler is a bound method of a test's loopback server (its codec and parsers with
-        # it): GBs over the session
+        # (1,024 of them), and a handler is a bound method of a test's loopback server (its codec, tokenizer and
+        # parsers with it); and molt.start_up freezes everything alive after a pool's constructor (right for an
+        # actor's process, which builds one) out of the collector's reach. Together: GBs over the session.
         if "aiohttp.web_app" in sys.modules:
             sys.modules["aiohttp.web_app"]._cached_build_middleware.cache_clear()
+        __import__("gc").unfreeze()
         COST["wall"][item.location[0]] += time.time() - t0
         COST["rss"][item.location[0]] = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
