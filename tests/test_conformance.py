@@ -369,9 +369,9 @@ VLLM_EXTRAS = {
     ("responses", "item.message"): (frozenset(), frozenset({"phase"})),  # vLLM's, null on these models
     ("responses", "item.function_call"): (frozenset(), frozenset({"async", "caller", "namespace"})),  # (the same)
 }
-# vLLM's stream coalesces tokens when its server falls behind (a loaded machine): the text before a stop string then
-# rides in the chunk that carries finish_reason, or in one before it (seen once in four whole-suite runs). Molt's own
-# sequence for it is checked on its own (an empty delta carries the finish).
+# Where vLLM's stream puts finish_reason for a stop string varied: once in four whole-suite runs (texts equal, passed
+# alone), most likely vLLM coalescing tokens when its server falls behind on a loaded machine (not confirmed). Molt's
+# own sequence for it is checked on its own (an empty delta carries the finish).
 LOADED = {("openai", "stream stop", "sequence")}
 DELIBERATE = {
     # tool_choice none: Molt offers no tool (the template renders none); vLLM still renders them into the prompt
