@@ -3765,6 +3765,14 @@ class RolloutManager:
         return {"epoch": self.epoch, "cursor": self.cursor, "unfinished": self.pending + list(self.tasks.values()),
                 "finished": list(self.finished), "counts": dict(self.counts), "infos": list(self.infos), "rows": len(self.rows)}
 
+    async def close(self):
+        """The run is over: cancel the groups in flight. One that finished after Ray's shutdown at exit would touch
+        Ray's core worker from this thread, and Ray 2.60 then ends the process with status 1."""
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     async def evaluate(self, rows: list[dict], n: int) -> dict:
         """Every eval prompt once, n samples each, with the eval sampling settings, on the pools still alive: mean
         reward and pass@n; prompts lost with a pool count as failed."""
@@ -4323,6 +4331,8 @@ def rl_main(cfg: Config):
             break
     log.close()
     sync.close()
+    if manager:
+        rollout_call(manager, "close")
     print(f"[molt] done: {step} steps in {time.time() - t_start:.0f}s; run directory {cfg.run_dir}", file=sys.stderr)
 
 

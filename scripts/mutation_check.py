@@ -52,6 +52,10 @@ MUTATIONS = [
      "msgs[:n] != last and (last is None or", "False and (last is None or",
      [f"{AG}::test_a_rewritten_history_opens_a_token_exact_segment"]),
     # -- policy versions and staleness -----------------------------------------------------------------------------
+    ("rollout-close-cancels-nothing", "async state: the run's end leaves its groups in flight (one finishing after "
+     "Ray's shutdown ends the run with status 1)",
+     "        tasks = list(self.tasks)\n        for task in tasks:", "        tasks = []\n        for task in tasks:",
+     [f"{RO}::test_closing_cancels_the_groups_in_flight_and_issues_no_more"]),
     ("turn-versions", "versions: a Sample drops the engine's per-token versions",
      "self.extend(c.ids, c.logprobs, c.versions, c.temperature)",
      "self.extend(c.ids, c.logprobs, [0] * len(c.ids), c.temperature)",

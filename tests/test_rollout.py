@@ -17,12 +17,13 @@ class FakePool:
 
     def __init__(self, dead=False):
         self.run_group, self.dead = self, dead
-        self.calls = 0
+        self.calls, self.issued = 0, []
         self.hold_from = None  # prompts from this index on wait until cancelled: they stay in flight
 
     def remote(self, row, n, sampling, group_id, index=-1, epoch=-1):
         self.calls += 1
-        return asyncio.ensure_future(self.group(row, n, group_id, index, epoch))
+        self.issued.append(asyncio.ensure_future(self.group(row, n, group_id, index, epoch)))
+        return self.issued[-1]
 
     async def group(self, row, n, group_id, index, epoch):
         await asyncio.sleep(0)
@@ -147,6 +148,27 @@ def test_async_state_holds_finished_groups_and_prompts_in_flight_and_restores_th
     assert {s.rollout_id for s in state["finished"][0]} <= {s.rollout_id for s in rest[0].samples}  # trained first
     trained = prompts(first) + [p for b in rest for p in prompts(b)]
     assert sorted(trained) == list(range(10))  # each of the epoch's prompts once: none lost, none twice
+
+
+def test_closing_cancels_the_groups_in_flight_and_issues_no_more():
+    """The run is over: groups still in flight are cancelled, nothing new goes out (a group that finished after Ray's
+    shutdown at exit would end the run with status 1), and what finished ahead stays."""
+    m = manager(rows(10), **{"train.async_queue_size": 2, "rollout.groups_in_flight": 3, "data.shuffle": False})
+    pool = m.pools[0]
+    pool.hold_from = 4
+
+    async def main():
+        await m.get_batch(0)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        held, calls = [f for f in pool.issued if not f.done()], pool.calls
+        await m.close()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        return held, [f.cancelled() for f in held], pool.calls - calls, len(m.tasks)  # before asyncio.run cancels
+    held, cancelled, issued, in_flight = asyncio.run(main())
+    assert len(held) == 3 and all(cancelled)  # prompts 4, 5 and 6
+    assert issued == 0 and in_flight == 0 and len(m.finished) == 2  # prompts 2 and 3, finished ahead, stay
 
 
 def test_a_bad_row_or_a_dead_pool_costs_that_work_only():
