@@ -1,5 +1,6 @@
 """Shared expensive fixtures: tiny models (built once, cached), one Ray cluster, one engine per model kind."""
 import asyncio
+import gc
 import os
 import subprocess
 import sys
@@ -231,7 +232,6 @@ def pytest_sessionstart(session):
 def pytest_runtest_protocol(item, nextitem):
     if item.location[0] != COST["file"]:  # a new file: what the last one freed goes back to the system (the C heap
         import ctypes                     # keeps freed tokenizers and models otherwise: GBs over the session)
-        import gc
         gc.collect()
         ctypes.CDLL(None).malloc_trim(0)
     COST["file"], t0 = item.location[0], time.time()
@@ -245,7 +245,7 @@ def pytest_runtest_protocol(item, nextitem):
         # actor's process, which builds one) out of the collector's reach. Together: GBs over the session.
         if "aiohttp.web_app" in sys.modules:
             sys.modules["aiohttp.web_app"]._cached_build_middleware.cache_clear()
-        __import__("gc").unfreeze()
+        gc.unfreeze()
         COST["wall"][item.location[0]] += time.time() - t0
         COST["rss"][item.location[0]] = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
